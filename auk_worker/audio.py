@@ -1,0 +1,75 @@
+"""Input audio: decode any file soundfile reads, mix to mono, resample with soxr, and refuse bad clips.
+
+Torch-free on purpose: the API validates uploads with the same code the worker uses.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from auk_worker.errors import AudioError
+from auk_worker.types import MAX_TOTAL_SECONDS, MIN_CLIP_SAMPLES_24K, SAMPLE_RATE, AudioClip
+
+THINKER_SAMPLE_RATE = 16_000  # the Whisper-style feature extractor's rate
+MAX_CHANNELS = 8
+
+
+def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
+    """Decode an encoded clip (WAV, FLAC, OGG, ...) into mono float32 at its own sample rate."""
+    if not data:
+        raise AudioError("the audio file is empty (0 bytes)")
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)  # [t, channels]
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+        raise AudioError(f"the file is not audio that can be decoded: {exc}") from None
+    return validate_clip(samples, rate, max_seconds=max_seconds)
+
+
+def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
+    """Check an in-memory clip ([t] or [t, channels]) and mix it to mono float32."""
+    if sample_rate <= 0:
+        raise AudioError(f"the audio has an invalid sample rate ({sample_rate} Hz)")
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim == 1:
+        samples = samples[:, None]
+    if samples.ndim != 2:
+        raise AudioError(f"audio must be [samples] or [samples, channels], got shape {tuple(samples.shape)}")
+    if samples.shape[1] > MAX_CHANNELS:
+        raise AudioError(f"the audio has {samples.shape[1]} channels; at most {MAX_CHANNELS} are accepted")
+    if samples.shape[0] == 0:
+        raise AudioError("the audio holds no samples")
+    if not np.isfinite(samples).all():
+        raise AudioError("the audio contains NaN or infinite samples")
+    duration = samples.shape[0] / sample_rate
+    if duration > max_seconds:
+        raise AudioError(f"the audio is {duration:.2f} s long; at most {max_seconds:g} s is accepted")
+    min_seconds = MIN_CLIP_SAMPLES_24K / SAMPLE_RATE
+    if duration < min_seconds:
+        raise AudioError(f"the audio is {duration * 1000:.1f} ms long; at least {min_seconds * 1000:.0f} ms is needed")
+    mono = samples.mean(axis=1, dtype=np.float32)
+    return AudioClip(samples=np.ascontiguousarray(mono), sample_rate=int(sample_rate))
+
+
+def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """soxr HQ resampling of a mono clip, padded or trimmed to ceil(len * to / from) samples."""
+    if from_rate == to_rate:
+        return samples.astype(np.float32, copy=False)
+    out = soxr.resample(samples, from_rate, to_rate, quality="HQ").astype(np.float32, copy=False)
+    want = -(-len(samples) * to_rate // from_rate)
+    if len(out) < want:
+        out = np.pad(out, (0, want - len(out)))
+    return out[:want]
+
+
+def read_audio_file(path: str) -> AudioClip:
+    """Decode a clip from a path (the CLI's --audio)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise AudioError(f"cannot read the audio file {path}: {exc.strerror}") from None
+    return decode_audio(data)
