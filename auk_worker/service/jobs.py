@@ -1,0 +1,471 @@
+"""The job lifecycle and its Redis record store.
+
+A job record is written before its task is sent, so every id a caller sees exists. It moves
+``queued -> running -> succeeded | failed | canceled``; each transition is one Lua script, so it is atomic
+against the API (cancel) and other workers (a redelivered task), and a terminal record never changes again.
+
+Keys (namespace ``auk``):
+
+- ``auk:job:{id}``            hash: the record (JSON for request/result/error/progress)
+- ``auk:owner:{owner}:jobs``  zset: job ids scored by creation time (ms), for newest-first listing
+- ``auk:idem:{owner}:{key}``  string: the job id an idempotency key made
+- ``auk:batch:{id}``          hash: owner, total, created_at, a count per status, the terminal count, manifest key
+- ``auk:batch:{id}:jobs``     zset: the batch's job ids scored like the owner index
+- ``auk:worker:{hostname}``   hash: a worker's heartbeat (see ``health.py``); ``auk:workers`` set of hostnames
+
+Batch counters move inside the same script as the job, so ``get_batch`` is O(1). The worker that records a
+batch's last terminal job claims the manifest (``Transition.batch_done``) and writes it once.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+import redis
+
+
+class JobStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED})
+
+_JSON_FIELDS = ("progress", "request", "result", "error")
+_INT_FIELDS = ("attempts", "kills")
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC with milliseconds, e.g. ``2025-01-31T22:04:05.123Z``."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def owner_id(api_key: str) -> str:
+    """The owner id stored on records: the first 16 hex digits of sha256(api key); raw keys are never stored."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+@dataclass
+class JobRecord:
+    id: str
+    owner: str
+    status: JobStatus = JobStatus.QUEUED
+    created_at: str = field(default_factory=utc_now)
+    started_at: str | None = None
+    finished_at: str | None = None
+    attempts: int = 0  # times a worker started it
+    kills: int = 0  # times a worker died holding it
+    progress: dict[str, int] | None = None  # {"step": k, "total": n}
+    request: dict[str, Any] = field(default_factory=dict)
+    result: dict[str, Any] | None = None
+    error: dict[str, str] | None = None  # {"code", "message"}
+    batch_id: str | None = None
+    custom_id: str | None = None
+    queue: str | None = None
+    worker: str | None = None  # "hostname:pid" of the attempt that holds it (internal)
+
+    @classmethod
+    def new(
+        cls,
+        owner: str,
+        request: dict[str, Any],
+        *,
+        queue: str | None = None,
+        custom_id: str | None = None,
+        batch_id: str | None = None,
+    ) -> JobRecord:
+        return cls(id=new_id(), owner=owner, request=request, queue=queue, custom_id=custom_id, batch_id=batch_id)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    def to_public(self) -> dict[str, Any]:
+        """The API's JSON shape of a job."""
+        return {
+            "id": self.id,
+            "status": self.status.value,
+            "progress": self.progress,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "attempts": self.attempts,
+            "request": self.request,
+            "result": self.result,
+            "error": self.error,
+            "batch_id": self.batch_id,
+            "custom_id": self.custom_id,
+        }
+
+    def _to_hash(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name, value in asdict(self).items():
+            if name in _JSON_FIELDS:
+                out[name] = "" if value is None else json.dumps(value, separators=(",", ":"))
+            elif isinstance(value, JobStatus):
+                out[name] = value.value
+            else:
+                out[name] = "" if value is None else str(value)
+        return out
+
+    @classmethod
+    def _from_hash(cls, raw: dict[str, str]) -> JobRecord:
+        kwargs: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            value = raw.get(name, "")
+            if name in _JSON_FIELDS:
+                kwargs[name] = json.loads(value) if value else ({} if name == "request" else None)
+            elif name in _INT_FIELDS:
+                kwargs[name] = int(value or 0)
+            elif name == "status":
+                kwargs[name] = JobStatus(value)
+            else:
+                kwargs[name] = value or None
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What a finishing transition did: the record after it (None if it was already terminal or missing),
+    and whether this call claimed its batch's manifest (it made the batch's last job terminal)."""
+
+    record: JobRecord | None
+    batch_done: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return self.record is not None
+
+
+def _flat_to_dict(flat: list[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2]))
+
+
+def _score(record: JobRecord) -> int:
+    stamp = datetime.fromisoformat(record.created_at.replace("Z", "+00:00"))
+    return int(stamp.timestamp() * 1000)
+
+
+# Shared Lua: move a job's batch counters from one status to another; claim the manifest when the batch's
+# terminal count reaches its total. Returns 1 when this call claimed it.
+_LUA_HELPERS = """
+local function is_terminal(s)
+  return s == 'succeeded' or s == 'failed' or s == 'canceled'
+end
+local function move_batch(job, ns, old, new, claim)
+  local batch = redis.call('HGET', job, 'batch_id')
+  if (not batch) or batch == '' or old == new then return 0 end
+  local bkey = ns .. ':batch:' .. batch
+  redis.call('HINCRBY', bkey, 'n_' .. old, -1)
+  redis.call('HINCRBY', bkey, 'n_' .. new, 1)
+  if is_terminal(new) and not is_terminal(old) then
+    local done = redis.call('HINCRBY', bkey, 'terminal', 1)
+    local total = tonumber(redis.call('HGET', bkey, 'total'))
+    if claim and done >= total then
+      return redis.call('HSETNX', bkey, 'manifest_claimed', '1')
+    end
+  end
+  return 0
+end
+"""
+
+# KEYS: job, owner index, idempotency key ('' for none). ARGV: job id, score, then field/value pairs.
+_CREATE = """
+if KEYS[3] ~= '' then
+  local existing = redis.call('GET', KEYS[3])
+  if existing then
+    local rec = redis.call('HGETALL', ARGV[3] .. existing)
+    if #rec > 0 then return {0, rec} end
+  end
+end
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+if KEYS[3] ~= '' then redis.call('SET', KEYS[3], ARGV[1]) end
+return {1, redis.call('HGETALL', KEYS[1])}
+"""
+
+# KEYS: job. ARGV: namespace, now, holder. Returns {} if missing, {'terminal'} if terminal, else the record.
+_START = (
+    _LUA_HELPERS
+    + """
+local job = KEYS[1]
+local status = redis.call('HGET', job, 'status')
+if not status then return {} end
+if is_terminal(status) then return {'terminal'} end
+if status == 'running' then
+  local prev = redis.call('HGET', job, 'worker')
+  if prev and prev ~= '' and prev ~= ARGV[3] then redis.call('HINCRBY', job, 'kills', 1) end
+end
+redis.call('HINCRBY', job, 'attempts', 1)
+redis.call('HSET', job, 'status', 'running', 'worker', ARGV[3], 'progress', '')
+local started = redis.call('HGET', job, 'started_at')
+if (not started) or started == '' then redis.call('HSET', job, 'started_at', ARGV[2]) end
+move_batch(job, ARGV[1], status, 'running', false)
+return redis.call('HGETALL', job)
+"""
+)
+
+# KEYS: job. ARGV: namespace, new status, now, claim ('1'/'0'), allowed-from list (comma), field/value pairs.
+# Returns {0} when the transition does not apply, else {claimed, record}.
+_TRANSITION = (
+    _LUA_HELPERS
+    + """
+local job = KEYS[1]
+local status = redis.call('HGET', job, 'status')
+if not status then return {0} end
+if is_terminal(status) then return {0} end
+if not string.find(',' .. ARGV[5] .. ',', ',' .. status .. ',', 1, true) then return {0} end
+if #ARGV > 5 then
+  local fields = {}
+  for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('HSET', job, unpack(fields))
+end
+redis.call('HSET', job, 'status', ARGV[2])
+if is_terminal(ARGV[2]) then redis.call('HSET', job, 'finished_at', ARGV[3]) end
+local claimed = move_batch(job, ARGV[1], status, ARGV[2], ARGV[4] == '1')
+return {claimed, redis.call('HGETALL', job)}
+"""
+)
+
+# KEYS: job. ARGV: step, total. Writes progress only while running; returns the status.
+_PROGRESS = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'running' then
+  redis.call('HSET', KEYS[1], 'progress', '{"step":' .. ARGV[1] .. ',"total":' .. ARGV[2] .. '}')
+end
+return status
+"""
+
+# KEYS: batch. Claims the manifest when every job is terminal and nobody has claimed it yet.
+_CLAIM = """
+local total = tonumber(redis.call('HGET', KEYS[1], 'total') or '-1')
+local done = tonumber(redis.call('HGET', KEYS[1], 'terminal') or '0')
+if total < 0 or done < total then return 0 end
+return redis.call('HSETNX', KEYS[1], 'manifest_claimed', '1')
+"""
+
+
+class JobStore:
+    """Job and batch records in Redis. The client must use ``decode_responses=True``."""
+
+    def __init__(self, redis_client: redis.Redis, namespace: str = "auk") -> None:
+        self.redis = redis_client
+        self.ns = namespace
+        self._create = redis_client.register_script(_CREATE)
+        self._start = redis_client.register_script(_START)
+        self._transition = redis_client.register_script(_TRANSITION)
+        self._progress = redis_client.register_script(_PROGRESS)
+        self._claim = redis_client.register_script(_CLAIM)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "auk") -> JobStore:
+        client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5)
+        return cls(client, namespace)
+
+    # -- keys ---------------------------------------------------------------------------------------------------
+    def job_key(self, job_id: str) -> str:
+        return f"{self.ns}:job:{job_id}"
+
+    def owner_key(self, owner: str) -> str:
+        return f"{self.ns}:owner:{owner}:jobs"
+
+    def idem_key(self, owner: str, key: str) -> str:
+        return f"{self.ns}:idem:{owner}:{key}"
+
+    def batch_key(self, batch_id: str) -> str:
+        return f"{self.ns}:batch:{batch_id}"
+
+    def batch_jobs_key(self, batch_id: str) -> str:
+        return f"{self.ns}:batch:{batch_id}:jobs"
+
+    # -- create and read ----------------------------------------------------------------------------------------
+    def create(self, record: JobRecord, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """Write a new queued record; a repeated (owner, idempotency key) returns the existing one instead."""
+        pairs = [item for pair in record._to_hash().items() for item in pair]
+        idem = self.idem_key(record.owner, idempotency_key) if idempotency_key else ""
+        created, flat = self._create(
+            keys=[self.job_key(record.id), self.owner_key(record.owner), idem],
+            args=[record.id, _score(record), f"{self.ns}:job:", *pairs],
+        )
+        return JobRecord._from_hash(_flat_to_dict(flat)), bool(created)
+
+    def get(self, job_id: str) -> JobRecord | None:
+        raw = self.redis.hgetall(self.job_key(job_id))
+        return JobRecord._from_hash(raw) if raw else None
+
+    def get_many(self, job_ids: builtins.list[str]) -> builtins.list[JobRecord | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.job_key(job_id))
+        return [JobRecord._from_hash(raw) if raw else None for raw in pipe.execute()]
+
+    def list(
+        self,
+        owner: str,
+        status: JobStatus | str | None = None,
+        batch_id: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[builtins.list[JobRecord], str | None]:
+        """The owner's jobs newest first, optionally one status or one batch; ``next_cursor`` is None at the end.
+
+        The cursor is opaque to callers (``"<created ms>-<job id>"``) and stays valid while new jobs arrive.
+        """
+        want = JobStatus(status) if status is not None else None
+        index = self.batch_jobs_key(batch_id) if batch_id else self.owner_key(owner)
+        top: float | str = "+inf"
+        after: tuple[float, str] | None = None
+        if cursor:
+            try:
+                score_s, after_id = cursor.split("-", 1)
+                after = (float(score_s), after_id)
+            except ValueError:
+                raise ValueError(f"bad cursor {cursor!r}") from None
+            top = after[0]
+        out: builtins.list[tuple[JobRecord, float]] = []
+        offset, chunk = 0, max(limit + 1, 64)
+        while len(out) <= limit:
+            rows = self.redis.zrevrangebyscore(index, top, "-inf", start=offset, num=chunk, withscores=True)
+            if not rows:
+                break
+            offset += len(rows)
+            if after is not None:
+                # Equal scores come in reverse id order: skip the ids at or above the cursor's.
+                rows = [(m, s) for m, s in rows if not (s == after[0] and m >= after[1])]
+            records = self.get_many([m for m, _ in rows])
+            for (_, score), rec in zip(rows, records):
+                if rec is None or rec.owner != owner or (want is not None and rec.status != want):
+                    continue
+                out.append((rec, score))
+                if len(out) > limit:
+                    break
+        page = out[:limit]
+        next_cursor = None
+        if len(out) > limit and page:
+            last, score = page[-1]
+            next_cursor = f"{int(score)}-{last.id}"
+        return [rec for rec, _ in page], next_cursor
+
+    # -- transitions --------------------------------------------------------------------------------------------
+    def start(self, job_id: str, worker: str = "") -> JobRecord | None:
+        """queued/running -> running, attempts + 1. None when the record is terminal or missing (skip the task).
+
+        ``worker`` names this attempt's holder ("hostname:pid"). Starting a record that is still ``running``
+        under another holder means that holder died with it: ``kills`` goes up by one.
+        """
+        flat = self._start(keys=[self.job_key(job_id)], args=[self.ns, utc_now(), worker])
+        if not flat or flat == ["terminal"]:
+            return None
+        return JobRecord._from_hash(_flat_to_dict(flat))
+
+    def set_progress(self, job_id: str, step: int, total: int) -> JobStatus | None:
+        """Record step k of N while running; returns the current status (so a caller sees a cancel at once)."""
+        status = self._progress(keys=[self.job_key(job_id)], args=[int(step), int(total)])
+        return JobStatus(status) if status else None
+
+    def is_canceled(self, job_id: str) -> bool:
+        return self.redis.hget(self.job_key(job_id), "status") == JobStatus.CANCELED.value
+
+    def _apply(
+        self, job_id: str, new: JobStatus, allowed: tuple[JobStatus, ...], claim: bool, fields: dict[str, str]
+    ) -> Transition:
+        pairs = [item for pair in fields.items() for item in pair]
+        reply = self._transition(
+            keys=[self.job_key(job_id)],
+            args=[self.ns, new.value, utc_now(), "1" if claim else "0", ",".join(s.value for s in allowed), *pairs],
+        )
+        if len(reply) < 2:
+            return Transition(None)
+        return Transition(JobRecord._from_hash(_flat_to_dict(reply[1])), bool(reply[0]))
+
+    def finish(self, job_id: str, result: dict[str, Any]) -> Transition:
+        """running -> succeeded with its result."""
+        fields = {"result": json.dumps(result, separators=(",", ":")), "error": "", "worker": ""}
+        return self._apply(job_id, JobStatus.SUCCEEDED, (JobStatus.RUNNING,), True, fields)
+
+    def fail(self, job_id: str, code: str, message: str) -> Transition:
+        """queued/running -> failed with ``{"code", "message"}``."""
+        fields = {"error": json.dumps({"code": code, "message": message}), "worker": ""}
+        return self._apply(job_id, JobStatus.FAILED, (JobStatus.QUEUED, JobStatus.RUNNING), True, fields)
+
+    def requeue(self, job_id: str) -> Transition:
+        """running -> queued: the attempt let go of the job and a retry is on its way (not a kill)."""
+        return self._apply(job_id, JobStatus.QUEUED, (JobStatus.RUNNING,), False, {"worker": "", "progress": ""})
+
+    def cancel(self, job_id: str, owner: str) -> JobRecord | None:
+        """queued/running -> canceled for the job's owner; None for another owner, a missing or terminal job.
+
+        A running job sees the change at its next step and stops. The task that later meets the canceled
+        record writes the batch manifest if this was the batch's last job (``claim_batch_manifest``).
+        """
+        record = self.get(job_id)
+        if record is None or record.owner != owner:
+            return None
+        fields = {"error": json.dumps({"code": "canceled", "message": "canceled by its owner"})}
+        allowed = (JobStatus.QUEUED, JobStatus.RUNNING)
+        return self._apply(job_id, JobStatus.CANCELED, allowed, False, fields).record
+
+    # -- batches ------------------------------------------------------------------------------------------------
+    def create_batch(self, owner: str, records: builtins.list[JobRecord]) -> str:
+        """Write a batch and all its (queued) job records in one transaction; returns the batch id."""
+        batch_id = new_id()
+        now = utc_now()
+        pipe = self.redis.pipeline(transaction=True)
+        for position, record in enumerate(records):
+            if record.owner != owner:
+                raise ValueError(f"job {record.id} belongs to another owner")
+            record.batch_id = batch_id
+            pipe.hset(self.job_key(record.id), mapping=record._to_hash())
+            pipe.zadd(self.owner_key(owner), {record.id: _score(record)})
+            pipe.zadd(self.batch_jobs_key(batch_id), {record.id: position})  # submission order
+        counts = {f"n_{s.value}": 0 for s in JobStatus}
+        counts["n_queued"] = len(records)
+        pipe.hset(
+            self.batch_key(batch_id),
+            mapping={"id": batch_id, "owner": owner, "total": len(records), "terminal": 0, "created_at": now, **counts},
+        )
+        pipe.execute()
+        return batch_id
+
+    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(self.batch_key(batch_id))
+        if not raw:
+            return None
+        total, terminal = int(raw["total"]), int(raw.get("terminal", 0))
+        return {
+            "id": raw["id"],
+            "owner": raw["owner"],
+            "total": total,
+            "counts": {s.value: int(raw.get(f"n_{s.value}", 0)) for s in JobStatus},
+            "created_at": raw["created_at"],
+            "done": terminal >= total,
+            "manifest_key": raw.get("manifest_key") or None,
+        }
+
+    def batch_records(self, batch_id: str) -> builtins.list[JobRecord]:
+        """The batch's jobs in submission order."""
+        ids = self.redis.zrange(self.batch_jobs_key(batch_id), 0, -1)
+        return [rec for rec in self.get_many(ids) if rec is not None]
+
+    def claim_batch_manifest(self, batch_id: str) -> bool:
+        """True exactly once, for the first caller after every job of the batch is terminal."""
+        return bool(self._claim(keys=[self.batch_key(batch_id)]))
+
+    def set_batch_manifest(self, batch_id: str, key: str) -> None:
+        self.redis.hset(self.batch_key(batch_id), mapping={"manifest_key": key, "finished_at": utc_now()})

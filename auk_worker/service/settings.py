@@ -1,0 +1,148 @@
+"""Service settings: one typed, frozen object read from the environment and validated at start-up.
+
+Every process of the service (API, worker, benchmark, tests) builds one ``Settings`` with
+``Settings.from_env()``. A bad value is refused with the variable's name; secrets have no defaults.
+Checks that only one side needs (storage credentials, API keys) are separate ``require_*`` calls so that
+a worker does not need API keys and the API does not need a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from auk_worker.errors import ConfigError
+
+VARIANTS = ("base", "flash")
+PIPELINES = ("auk", "instant")
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _url(env: Mapping[str, str], name: str, schemes: tuple[str, ...], default: str | None) -> str | None:
+    raw = _get(env, name) or default
+    if raw is None:
+        return None
+    parsed = urlparse(raw)
+    if parsed.scheme not in schemes or not parsed.netloc:
+        raise ConfigError(f"{name} must be a URL with scheme {' or '.join(schemes)}, got {raw!r}")
+    return raw
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
+    raw = _get(env, name) or default
+    if raw is not None and raw not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
+def _prefix(raw: str | None) -> str:
+    """Normalise a key prefix: no leading slash, one trailing slash when non-empty."""
+    if not raw:
+        return ""
+    stripped = raw.strip("/")
+    return f"{stripped}/" if stripped else ""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the service reads from the environment (``AUK_*`` variables)."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    s3_endpoint: str | None = None
+    s3_region: str = "us-east-1"
+    s3_access_key: str | None = field(default=None, repr=False)
+    s3_secret_key: str | None = field(default=None, repr=False)
+    s3_bucket: str = "auk"
+    s3_input_bucket: str = "auk"
+    s3_prefix: str = ""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    visibility_timeout: int = 3600
+    deploy_config: Path = Path("config/auk.yaml")
+    checkpoint: Path | None = None
+    variant: str | None = None
+    presign_seconds: int = 3600
+    max_upload_bytes: int = 50 * 1024 * 1024
+    max_kills: int = 3
+    pipeline: str = "auk"
+    retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
+    retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        bucket = _get(env, "AUK_S3_BUCKET") or "auk"
+        checkpoint = _get(env, "AUK_CHECKPOINT")
+        api_keys = tuple(k.strip() for k in (_get(env, "AUK_API_KEYS") or "").split(",") if k.strip())
+        backoff_raw = _get(env, "AUK_RETRY_BACKOFF")
+        try:
+            backoff = float(backoff_raw) if backoff_raw is not None else 1.0
+        except ValueError:
+            raise ConfigError(f"AUK_RETRY_BACKOFF must be a number of seconds, got {backoff_raw!r}") from None
+        if not backoff > 0:
+            raise ConfigError(f"AUK_RETRY_BACKOFF must be positive, got {backoff_raw!r}")
+        return cls(
+            redis_url=_url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), "redis://127.0.0.1:6379/0"),
+            s3_endpoint=_url(env, "AUK_S3_ENDPOINT", ("http", "https"), None),
+            s3_region=_get(env, "AUK_S3_REGION") or "us-east-1",
+            s3_access_key=_get(env, "AUK_S3_ACCESS_KEY"),
+            s3_secret_key=_get(env, "AUK_S3_SECRET_KEY"),
+            s3_bucket=bucket,
+            s3_input_bucket=_get(env, "AUK_S3_INPUT_BUCKET") or bucket,
+            s3_prefix=_prefix(_get(env, "AUK_S3_PREFIX")),
+            api_keys=api_keys,
+            visibility_timeout=_int(env, "AUK_VISIBILITY_TIMEOUT", 3600, minimum=1),
+            deploy_config=Path(_get(env, "AUK_DEPLOY_CONFIG") or "config/auk.yaml"),
+            checkpoint=Path(checkpoint) if checkpoint else None,
+            variant=_choice(env, "AUK_VARIANT", VARIANTS, None),
+            presign_seconds=_int(env, "AUK_PRESIGN_SECONDS", 3600, minimum=1),
+            max_upload_bytes=_int(env, "AUK_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1),
+            max_kills=_int(env, "AUK_MAX_KILLS", 3, minimum=1),
+            pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),
+            retry_max=_int(env, "AUK_RETRY_MAX", 6, minimum=0),
+            retry_backoff_s=backoff,
+        )
+
+    def require_storage(self) -> None:
+        """Refuse to go on without an S3 endpoint and credentials (there are no insecure defaults)."""
+        for name, value in (
+            ("AUK_S3_ENDPOINT", self.s3_endpoint),
+            ("AUK_S3_ACCESS_KEY", self.s3_access_key),
+            ("AUK_S3_SECRET_KEY", self.s3_secret_key),
+        ):
+            if not value:
+                raise ConfigError(f"{name} is required")
+
+    def require_api_keys(self) -> None:
+        if not self.api_keys:
+            raise ConfigError("AUK_API_KEYS is required: a comma-separated list of bearer keys")
+
+    def require_worker(self) -> None:
+        """A worker needs storage, a variant and (for the real pipeline) a checkpoint."""
+        self.require_storage()
+        if self.variant is None:
+            raise ConfigError("AUK_VARIANT is required for a worker (base or flash)")
+        if self.pipeline == "auk" and self.checkpoint is None:
+            raise ConfigError("AUK_CHECKPOINT is required for a worker (the checkpoint directory)")

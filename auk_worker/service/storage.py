@@ -1,0 +1,168 @@
+"""S3-compatible storage for uploads, rendered WAVs and batch manifests.
+
+A thin wrapper over one boto3 client (signature v4, path-style addresses, short timeouts, few retries, so
+that an unreachable store fails fast and the Celery task's own backoff decides when to try again). Every
+botocore or connection error leaves this module as ``InfraError`` with the cause; a missing object is
+``InputError`` (the caller named a key that does not exist).
+
+Key layout under the settings' prefix: ``jobs/<job id>.wav``, ``uploads/<upload id>``,
+``jobs/batch-<batch id>.manifest.jsonl`` (the manifest sits next to the WAVs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from auk_worker.errors import InfraError, InputError
+from auk_worker.service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
+
+
+def _norm_prefix(prefix: str) -> str:
+    stripped = prefix.strip("/")
+    return f"{stripped}/" if stripped else ""
+
+
+def result_key(prefix: str, job_id: str) -> str:
+    return f"{_norm_prefix(prefix)}jobs/{job_id}.wav"
+
+
+def upload_key(prefix: str, upload_id: str) -> str:
+    return f"{_norm_prefix(prefix)}uploads/{upload_id}"
+
+
+def manifest_key(prefix: str, batch_id: str) -> str:
+    return f"{_norm_prefix(prefix)}jobs/batch-{batch_id}.manifest.jsonl"
+
+
+def _error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+class Storage:
+    """One bucket for results and uploads, optionally a second bucket the callers' input keys refer to."""
+
+    def __init__(self, settings: Settings, client: Any | None = None) -> None:
+        settings.require_storage()
+        self.bucket = settings.s3_bucket
+        self.input_bucket = settings.s3_input_bucket
+        self.prefix = settings.s3_prefix
+        self.client = client or boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint,
+            region_name=settings.s3_region,
+            aws_access_key_id=settings.s3_access_key,
+            aws_secret_access_key=settings.s3_secret_key,
+            config=Config(
+                signature_version="s3v4",
+                s3={"addressing_style": "path"},
+                connect_timeout=2,
+                read_timeout=30,
+                retries={"max_attempts": 2, "mode": "standard"},
+            ),
+        )
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except ClientError as exc:
+            raise InfraError(f"storage {what} failed: {_error_code(exc)}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage {what} failed: {exc}") from exc
+
+    def ensure_buckets(self) -> None:
+        """Create the result bucket (and the input bucket) if they do not exist yet."""
+        for bucket in dict.fromkeys((self.bucket, self.input_bucket)):
+            try:
+                self.client.head_bucket(Bucket=bucket)
+                continue
+            except ClientError as exc:
+                if _error_code(exc) not in _MISSING_CODES:
+                    raise InfraError(f"storage head_bucket {bucket} failed: {exc}") from exc
+            except BotoCoreError as exc:
+                raise InfraError(f"storage head_bucket {bucket} failed: {exc}") from exc
+            try:
+                self.client.create_bucket(Bucket=bucket)
+                log.info("bucket %s: created", bucket)
+            except ClientError as exc:
+                if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise InfraError(f"storage create_bucket {bucket} failed: {exc}") from exc
+            except BotoCoreError as exc:
+                raise InfraError(f"storage create_bucket {bucket} failed: {exc}") from exc
+
+    def put_bytes(self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None) -> None:
+        self._call(
+            f"put {key}",
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=key,
+            Body=data,
+            ContentType=content_type,
+            Metadata=metadata or {},
+        )
+
+    def put_wav(self, key: str, data: bytes, metadata: dict[str, str]) -> None:
+        self.put_bytes(key, data, "audio/wav", metadata)
+
+    def get_bytes(self, bucket: str, key: str) -> bytes:
+        """Read one object; a missing object is the caller's error (``InputError``), anything else infra."""
+        try:
+            response = self.client.get_object(Bucket=bucket, Key=key)
+            return response["Body"].read()
+        except ClientError as exc:
+            if _error_code(exc) in _MISSING_CODES:
+                raise InputError(f"no object {key!r} in bucket {bucket!r}", code="audio_not_found") from exc
+            raise InfraError(f"storage get {bucket}/{key} failed: {_error_code(exc)}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage get {bucket}/{key} failed: {exc}") from exc
+
+    def head(self, key: str) -> dict[str, Any] | None:
+        """The object's HEAD response (with ``Metadata``), or None when it does not exist."""
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if _error_code(exc) in _MISSING_CODES:
+                return None
+            raise InfraError(f"storage head {key} failed: {_error_code(exc)}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage head {key} failed: {exc}") from exc
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """Every key in the result bucket under ``prefix`` (used by tests and the manifest check)."""
+        keys: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                keys.extend(item["Key"] for item in page.get("Contents", []))
+        except (ClientError, BotoCoreError) as exc:
+            raise InfraError(f"storage list {prefix} failed: {exc}") from exc
+        return keys
+
+    def presign_get(self, key: str, expires: int, bucket: str | None = None) -> str:
+        return self._call(
+            f"presign {key}",
+            self.client.generate_presigned_url,
+            ClientMethod="get_object",
+            Params={"Bucket": bucket or self.bucket, "Key": key},
+            ExpiresIn=expires,
+        )
+
+    def ping(self) -> bool:
+        """True when the store answers and the result bucket is reachable."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("storage ping failed: %s", exc)
+            return False
+        return True
