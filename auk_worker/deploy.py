@@ -176,6 +176,8 @@ def _check(config: DeployConfig) -> None:
     tile = mc.auk_vae_tile_frames
     if tile is not None and tile < 128:
         raise ConfigError(f"stages[1].model_config.auk_vae_tile_frames: {tile} leaves no room for the 62-frame halo")
+    if config.encoder.default_sampling_params.max_tokens != 1:
+        raise ConfigError("stages[0].default_sampling_params.max_tokens: must be 1 (the encoder runs one prefill forward)")
     sampling = config.defaults
     if not 1 <= sampling.num_inference_steps <= 1000:
         raise ConfigError("stages[1].default_sampling_params.num_inference_steps: must be in [1, 1000]")

@@ -1,0 +1,36 @@
+# The two commands of the README: `make run` (the whole service on this machine) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch lies on local disk for this pin; a GPU host brings its own CUDA torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test test-fast bench-cpu clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (Debian package)"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
+	  { echo "redis-server is missing and could not be installed; install it and rerun" >&2; exit 1; }; }
+
+run: setup
+	$(PY) -m auk_worker.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not service"
+
+bench-cpu: setup
+	$(PY) -m bench.pipeline --tiny --device cpu
+
+clean:
+	rm -rf $(VENV) run/
