@@ -1,0 +1,563 @@
+"""Stage 1 backbone: the AuK DiT ("Flux2Edit"), a Flux-style MMDiT that predicts flow velocities over VAE latents.
+
+Follows the upstream backbone as auk-model.md section 3 describes it: ``num_layers`` double-stream blocks attend
+jointly over the audio stream ``[ref | target]`` and the text stream (concatenated in the order [audio, text]),
+then ``num_single_layers`` single-stream blocks run over ``[text | ref | target]``; only the last ``n`` positions
+(the target) are projected back to latent space. Parameter and buffer names are the upstream ones without the
+``transformer.`` prefix, so a release checkpoint loads with ``load_state_dict(strict=True, assign=True)``.
+
+Prepare once, step many: :meth:`AuKDiT.prepare` computes what is fixed for a request (projected text, embedded
+reference, rotary tables, masks; the CFG rows) into a :class:`DiTContext`; :meth:`AuKDiT.forward` evaluates one
+velocity for the noisy target. No state is cached on the module.
+
+Precision: works with fp32 weights (exact) or bf16 weights without autocast. The time sinusoid, rotary positions,
+``inv_freq`` and the rotary products stay fp32; values are cast to the weight dtype where they enter a Linear.
+
+Shapes:
+    b    requests (rows of the ODE state)
+    bc   rows of a context: b, or 2b with CFG (cond rows 0..b-1, then uncond rows)
+    n    target frames (padded)          np   reference frames (padded; 0 without a reference)
+    na   audio positions, np + n         nt   text tokens (padded)
+    ns   single-stream positions, nt + na
+    d    model width   h  heads   dh  head width   l  latent channels   dt  text hidden width
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from auk_worker.errors import CheckpointError, InputError
+
+logger = logging.getLogger(__name__)
+
+ROTARY_BASE = 10000.0
+TIME_FREQ_DIM = 256  # width of the time sinusoid
+TIME_SCALE = 1000.0  # t in [0, 1] is scaled by this before the sinusoid
+CONV_KERNEL = 31
+CONV_GROUPS = 16
+LAYER_NORM_EPS = 1e-6
+
+_REQUIRED_ARCH_KEYS = ("dim", "heads", "ff_mult", "text_hidden_dim", "num_layers", "num_single_layers")
+_OPTIONAL_ARCH_KEYS = ("dim_head", "attn_mask_enabled")
+# Accepted by the upstream constructor but meaningless at inference (training switches, attention kernel choice).
+_TRAINING_ONLY_ARCH_KEYS = frozenset(
+    {"depth", "dropout", "checkpoint_activations", "checkpoint_every_n_layers", "attn_backend"}
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTConfig:
+    """Architecture hyper-parameters, read once from the release config's ``model.arch``."""
+
+    dim: int
+    heads: int
+    dim_head: int = 64  # its own field upstream (not dim // heads)
+    ff_mult: float
+    text_hidden_dim: int
+    latent_dim: int
+    num_layers: int
+    num_single_layers: int
+    attn_mask_enabled: bool = True
+
+    @property
+    def ff_inner_dim(self) -> int:
+        return int(self.dim * self.ff_mult)
+
+    @classmethod
+    def from_arch(cls, arch: Mapping[str, Any], latent_dim: int) -> DiTConfig:
+        """Build from ``model.arch``; ``latent_dim`` comes from ``model.vae`` (upstream passes it separately)."""
+        unknown = sorted(set(arch) - set(_REQUIRED_ARCH_KEYS) - set(_OPTIONAL_ARCH_KEYS) - _TRAINING_ONLY_ARCH_KEYS)
+        if unknown:
+            raise CheckpointError(f"model.arch has unknown key(s) {unknown}")
+        missing = [key for key in _REQUIRED_ARCH_KEYS if key not in arch]
+        if missing:
+            raise CheckpointError(f"model.arch is missing required key(s) {missing}")
+        ints = {key: arch[key] for key in ("dim", "heads", "text_hidden_dim", "num_layers", "num_single_layers")}
+        ints["dim_head"] = arch.get("dim_head", 64)
+        ints["latent_dim"] = latent_dim
+        for key, value in ints.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if "layers" in key else 1):
+                raise CheckpointError(f"model.arch.{key} must be a positive integer, got {value!r}")
+        ff_mult = arch["ff_mult"]
+        if isinstance(ff_mult, bool) or not isinstance(ff_mult, (int, float)) or not ff_mult > 0:
+            raise CheckpointError(f"model.arch.ff_mult must be a positive number, got {ff_mult!r}")
+        attn_mask_enabled = arch.get("attn_mask_enabled", True)
+        if not isinstance(attn_mask_enabled, bool):
+            raise CheckpointError(f"model.arch.attn_mask_enabled must be a boolean, got {attn_mask_enabled!r}")
+        ignored = sorted(set(arch) & _TRAINING_ONLY_ARCH_KEYS)
+        if ignored:
+            logger.debug("dit config: ignoring training-only arch keys %s", ignored)
+        return cls(ff_mult=float(ff_mult), attn_mask_enabled=attn_mask_enabled, **ints)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-request context
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary tables for one sequence: integer positions and fp32 cos/sin, pairs interleaved."""
+
+    positions: Tensor  # [bc, m] long
+    cos: Tensor  # [bc, 1, m, dh] fp32
+    sin: Tensor  # [bc, 1, m, dh] fp32
+
+
+@dataclass(frozen=True)
+class JointLayout:
+    """What the double-stream blocks need besides the streams themselves."""
+
+    rope_audio: Rope  # over [ref | target]
+    rope_text: Rope
+    key_mask: Tensor | None  # [bc, 1, 1, na + nt] True = attend, keys in [audio, text] order; None = all
+    audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
+    text_keep: Tensor | None  # [bc, nt, 1]
+
+
+@dataclass(frozen=True)
+class SingleLayout:
+    """What the single-stream blocks need: the sequence is [text | ref | target]."""
+
+    rope: Rope
+    key_mask: Tensor | None  # [bc, 1, 1, ns]
+    keep: Tensor | None  # [bc, ns, 1]
+
+
+@dataclass(frozen=True)
+class DiTContext:
+    """Everything about a request batch that does not change across ODE steps (see :meth:`AuKDiT.prepare`)."""
+
+    cfg: bool  # rows are [cond_0..cond_{b-1}, uncond_0..uncond_{b-1}]
+    text: Tensor  # [bc, nt, d] projected text; zero on uncond rows
+    ref: Tensor | None  # [bc, np, d] embedded reference; uncond rows embed zero latents; None when np == 0
+    target_mask: Tensor | None  # [b, n] valid target frames for the conv embedding; None = all valid
+    target_len: int  # n
+    joint: JointLayout
+    single: SingleLayout
+
+    @property
+    def rows(self) -> int:
+        return self.text.shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.rows // 2 if self.cfg else self.rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Leaf modules
+
+
+def _all_or_none(mask: Tensor) -> Tensor | None:
+    """None when every entry is True: a full mask is numerically a no-op, and no mask keeps SDPA on fast kernels."""
+    return None if bool(mask.all()) else mask
+
+
+def _zero_rows(x: Tensor, keep: Tensor | None) -> Tensor:
+    return x if keep is None else x.masked_fill(~keep, 0.0)
+
+
+class TimestepEmbedding(nn.Module):
+    """Sinusoid of ``TIME_SCALE * t`` (fp32, [sin | cos]) followed by Linear -> SiLU -> Linear."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.time_mlp = nn.Sequential(nn.Linear(TIME_FREQ_DIM, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: Tensor) -> Tensor:  # t [b] -> [b, d]
+        half = TIME_FREQ_DIM // 2
+        rate = math.log(10000) / (half - 1)
+        freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -rate)  # [half]
+        angles = TIME_SCALE * t.float()[:, None] * freqs[None, :]  # [b, half]
+        wave = torch.cat((angles.sin(), angles.cos()), dim=-1)  # [b, 256] fp32
+        return self.time_mlp(wave.to(self.time_mlp[0].weight.dtype))
+
+
+class ConvPositionEmbedding(nn.Module):
+    """Two grouped convolutions with Mish; frames outside ``mask`` are zeroed before and after each conv."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        pad = CONV_KERNEL // 2
+        self.conv1d = nn.Sequential(
+            nn.Conv1d(dim, dim, CONV_KERNEL, groups=CONV_GROUPS, padding=pad),
+            nn.Mish(),
+            nn.Conv1d(dim, dim, CONV_KERNEL, groups=CONV_GROUPS, padding=pad),
+            nn.Mish(),
+        )
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # x [b, m, d], mask [b, m]
+        keep = None if mask is None else mask[:, None, :]  # [b, 1, m]
+        conv_a, mish_a, conv_b, mish_b = self.conv1d
+        h = _zero_rows(x.transpose(1, 2), keep)  # [b, d, m]
+        h = mish_a(_zero_rows(conv_a(h), keep))
+        h = mish_b(_zero_rows(conv_b(h), keep))
+        return h.transpose(1, 2)  # [b, m, d]
+
+
+class AudioEmbedding(nn.Module):
+    """Latents to model width: ``Linear(z) + ConvPos(Linear(z))``."""
+
+    def __init__(self, latent_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(latent_dim, dim)
+        self.conv_pos_embed = ConvPositionEmbedding(dim)
+
+    def forward(self, z: Tensor, mask: Tensor | None) -> Tensor:  # z [b, m, l] -> [b, m, d]
+        h = self.linear(z)
+        return self.conv_pos_embed(h, mask) + h
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary frequencies for interleaved (GPT-J) pairs, held in the persistent buffer ``inv_freq`` [dh // 2].
+
+    The release stores a bf16-rounded copy of the analytic schedule and upstream uses those stored values, so the
+    buffer is used as loaded. It is kept in fp32 whatever dtype the module is cast or loaded to.
+    """
+
+    def __init__(self, dim_head: int) -> None:
+        super().__init__()
+        exponents = torch.arange(0, dim_head, 2, dtype=torch.float32) / dim_head
+        self.register_buffer("inv_freq", 1.0 / (ROTARY_BASE**exponents), persistent=True)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001  (nn.Module signature)
+        # Follow device moves but never round the frequencies: `.to(bfloat16)` would otherwise cast the buffer.
+        before = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            source = self.inv_freq if before.is_meta else before
+            self.inv_freq = source.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        key = prefix + "inv_freq"
+        if key in state_dict:  # a checkpoint cast wholesale to bf16 still loads its frequencies as fp32
+            state_dict[key] = state_dict[key].to(torch.float32)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def tables(self, positions: Tensor) -> Rope:
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(torch.float32)  # [bc, m, dh/2]
+        angles = angles.repeat_interleave(2, dim=-1)[:, None]  # [bc, 1, m, dh], pairs share a frequency
+        return Rope(positions=positions, cos=angles.cos(), sin=angles.sin())
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate interleaved pairs (a, b) of ``x`` [bc, h, m, dh] in fp32; returns x's dtype."""
+    x32 = x.float()
+    pairs = x32.unflatten(-1, (-1, 2))  # [bc, h, m, dh/2, 2]
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (a, b) -> (-b, a)
+    return (x32 * rope.cos + rotated * rope.sin).to(x.dtype)
+
+
+class AdaLayerNorm(nn.Module):
+    """Six modulation chunks from the time embedding, in the order
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp; each returned as [bc, 1, d]."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
+        return tuple(chunk[:, None] for chunk in self.linear(F.silu(temb)).chunk(6, dim=1))
+
+
+class AdaLayerNormFinal(nn.Module):
+    """Final modulation; its two chunks are (scale, shift), the reverse of the block order."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: Tensor, temb: Tensor) -> Tensor:
+        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=1)
+        return _modulate(x, shift[:, None], scale[:, None])
+
+
+def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), eps=LAYER_NORM_EPS) * (1 + scale) + shift
+
+
+class FeedForward(nn.Module):
+    """SwiGLU with the gate and up projections fused into ``linear_in``; no biases."""
+
+    def __init__(self, dim: int, inner_dim: int) -> None:
+        super().__init__()
+        self.linear_in = nn.Linear(dim, 2 * inner_dim, bias=False)
+        self.linear_out = nn.Linear(inner_dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.linear_in(x).chunk(2, dim=-1)
+        return self.linear_out(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Self-attention with per-head RMSNorm (torch's default eps) on q and k, then rotary positions."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        self.heads, self.dim_head = heads, dim_head
+        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head)
+        self.q_norm = nn.RMSNorm(dim_head, elementwise_affine=True)
+        self.k_norm = nn.RMSNorm(dim_head, elementwise_affine=True)
+        self.to_out = nn.ModuleList([nn.Linear(heads * dim_head, dim)])  # named `to_out.0` in the release
+
+    def _project(self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, rope: Rope) -> tuple[Tensor, ...]:
+        q, k, v = (part.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for part in qkv.chunk(3, dim=-1))
+        # q, k, v: [bc, m, h*dh] -> [bc, h, m, dh]
+        return apply_rope(q_norm(q), rope), apply_rope(k_norm(k), rope), v
+
+    @staticmethod
+    def _merge(out: Tensor) -> Tensor:
+        return out.transpose(1, 2).flatten(2)  # [bc, h, m, dh] -> [bc, m, h*dh]
+
+    def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
+        q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope)
+        out = self._merge(F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask))
+        return _zero_rows(self.to_out[0](out), layout.keep)
+
+
+class JointAttention(Attention):
+    """Audio (x) and text (c) keep their own projections and norms, and attend together as [audio, text]."""
+
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__(dim, heads, dim_head)
+        self.to_qkv_c = nn.Linear(dim, 3 * heads * dim_head)
+        self.c_q_norm = nn.RMSNorm(dim_head, elementwise_affine=True)
+        self.c_k_norm = nn.RMSNorm(dim_head, elementwise_affine=True)
+        self.to_out_c = nn.Linear(heads * dim_head, dim)
+
+    def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope_audio)
+        cq, ck, cv = self._project(self.to_qkv_c(c), self.c_q_norm, self.c_k_norm, layout.rope_text)
+        joint = (torch.cat(pair, dim=2) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, h, na + nt, dh]
+        out = self._merge(F.scaled_dot_product_attention(*joint, attn_mask=layout.key_mask))  # [bc, na + nt, h*dh]
+        audio_len = x.shape[1]
+        x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
+        c_out = _zero_rows(self.to_out_c(out[:, audio_len:]), layout.text_keep)
+        return x_out, c_out
+
+
+class DoubleStreamBlock(nn.Module):
+    """MMDiT block: separate modulation and feed-forward per stream, one joint attention."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.attn_norm_c = AdaLayerNorm(config.dim)
+        self.attn_norm_x = AdaLayerNorm(config.dim)
+        self.attn = JointAttention(config.dim, config.heads, config.dim_head)
+        self.ff_c = FeedForward(config.dim, config.ff_inner_dim)
+        self.ff_x = FeedForward(config.dim, config.ff_inner_dim)
+
+    def forward(self, x: Tensor, c: Tensor, temb: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:
+        x_shift, x_scale, x_gate, x_shift_ff, x_scale_ff, x_gate_ff = self.attn_norm_x(temb)
+        c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = self.attn_norm_c(temb)
+        x_attn, c_attn = self.attn(_modulate(x, x_shift, x_scale), _modulate(c, c_shift, c_scale), layout)
+        c = c + c_gate * c_attn
+        c = c + c_gate_ff * self.ff_c(_modulate(c, c_shift_ff, c_scale_ff))
+        x = x + x_gate * x_attn
+        x = x + x_gate_ff * self.ff_x(_modulate(x, x_shift_ff, x_scale_ff))
+        return x, c
+
+
+class SingleStreamBlock(nn.Module):
+    """DiT block over the whole [text | ref | target] sequence."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.attn_norm = AdaLayerNorm(config.dim)
+        self.attn = Attention(config.dim, config.heads, config.dim_head)
+        self.ff = FeedForward(config.dim, config.ff_inner_dim)
+
+    def forward(self, h: Tensor, temb: Tensor, layout: SingleLayout) -> Tensor:
+        shift, scale, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(temb)
+        h = h + gate * self.attn(_modulate(h, shift, scale), layout)
+        return h + gate_ff * self.ff(_modulate(h, shift_ff, scale_ff))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backbone
+
+
+def _lengths(name: str, lens: Tensor | None, rows: int, full: int, lowest: int, device: torch.device) -> Tensor:
+    """Validate per-row lengths [rows] within [lowest, full]; None means every row is full."""
+    if lens is None:
+        return torch.full((rows,), full, dtype=torch.long, device=device)
+    lens = torch.as_tensor(lens, device=device)
+    if lens.shape != (rows,) or lens.is_floating_point() or lens.dtype == torch.bool:
+        raise InputError(f"{name} must be an integer tensor of shape [{rows}], got {tuple(lens.shape)} {lens.dtype}")
+    lens = lens.long()
+    if rows and (int(lens.min()) < lowest or int(lens.max()) > full):
+        raise InputError(f"{name} must lie in [{lowest}, {full}], got {lens.tolist()}")
+    return lens
+
+
+def _positions(present: Tensor) -> Tensor:
+    """Rank of each present item within its row (cumsum - 1); absent items take their neighbour's position."""
+    return (present.long().cumsum(dim=1) - 1).clamp_min(0)
+
+
+def _key_mask(visible: Tensor) -> Tensor | None:
+    mask = _all_or_none(visible)
+    return None if mask is None else mask[:, None, None, :]  # [bc, m] -> [bc, 1, 1, m]
+
+
+def _keep(valid: Tensor) -> Tensor | None:
+    keep = _all_or_none(valid)
+    return None if keep is None else keep[..., None]  # [bc, m] -> [bc, m, 1]
+
+
+class AuKDiT(nn.Module):
+    """The AuK velocity model. Build on the meta device and load the release weights strictly."""
+
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.time_embed = TimestepEmbedding(config.dim)
+        self.txt_proj = nn.Linear(config.text_hidden_dim, config.dim)
+        self.txt_norm = nn.RMSNorm(config.dim, elementwise_affine=True)
+        self.audio_embed = AudioEmbedding(config.latent_dim, config.dim)
+        self.rotary_embed = RotaryEmbedding(config.dim_head)
+        self.transformer_blocks = nn.ModuleList(DoubleStreamBlock(config) for _ in range(config.num_layers))
+        self.single_transformer_blocks = nn.ModuleList(
+            SingleStreamBlock(config) for _ in range(config.num_single_layers)
+        )
+        self.norm_out = AdaLayerNormFinal(config.dim)
+        self.proj_out = nn.Linear(config.dim, config.latent_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj_out.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj_out.weight.device
+
+    def prepare(
+        self,
+        text: Tensor,
+        text_lens: Tensor,
+        ref: Tensor | None,
+        ref_lens: Tensor | None,
+        ref_valid_lens: Tensor | None,
+        target_len: int,
+        target_lens: Tensor | None = None,
+        *,
+        cfg: bool,
+    ) -> DiTContext:
+        """Compute the per-request context for a batch of ``b`` rows.
+
+        text [b, nt, dt] fused condition, valid for the first ``text_lens`` tokens of each row.
+        ref [b, np, l] normalised reference latents (or None / np == 0): the first ``ref_lens`` frames of a row take
+        sequence positions, of which the first ``ref_valid_lens`` are visible to attention (an encoder's extra
+        frame past floor(T/480) takes a position but is masked; None = all). ``target_len`` is the padded target
+        length n, ``target_lens`` the valid frames per row (None = n). With ``cfg`` the rows are doubled into
+        [cond..., uncond...]: uncond rows see zero projected text (same text mask) and a reference of zero latents.
+
+        Positions count only the items a row holds, so a padded row gets the positions it would have alone.
+        Batch padding is never visible as a key. Masked reference frames are hidden as keys when
+        ``attn_mask_enabled``; with it off they stay visible, as upstream does for a single request.
+        """
+        config, device, dtype = self.config, self.device, self.dtype
+        if text.ndim != 3 or text.shape[-1] != config.text_hidden_dim or text.shape[1] < 1:
+            raise InputError(f"text must be [b, nt >= 1, {config.text_hidden_dim}], got {tuple(text.shape)}")
+        rows, nt = text.shape[:2]
+        if isinstance(target_len, bool) or not isinstance(target_len, int) or target_len < 1:
+            raise InputError(f"target_len must be a positive integer, got {target_len!r}")
+        if ref is not None and (ref.ndim != 3 or ref.shape[0] != rows or ref.shape[-1] != config.latent_dim):
+            raise InputError(f"ref must be [{rows}, np, {config.latent_dim}], got {tuple(ref.shape)}")
+        np_ = 0 if ref is None else ref.shape[1]
+
+        text_valid = torch.arange(nt, device=device) < _lengths("text_lens", text_lens, rows, nt, 1, device)[:, None]
+        target_valid = (
+            torch.arange(target_len, device=device)
+            < _lengths("target_lens", target_lens, rows, target_len, 1, device)[:, None]
+        )  # [b, n]
+        ref_lens = _lengths("ref_lens", ref_lens, rows, np_, 0, device)
+        ref_valid_lens = ref_lens if ref_valid_lens is None else _lengths(
+            "ref_valid_lens", ref_valid_lens, rows, np_, 0, device
+        )
+        if bool((ref_valid_lens > ref_lens).any()):
+            raise InputError("ref_valid_lens must not exceed ref_lens")
+        ref_present = torch.arange(np_, device=device) < ref_lens[:, None]  # [b, np]
+        ref_valid = torch.arange(np_, device=device) < ref_valid_lens[:, None]  # [b, np]
+
+        c = self.txt_norm(self.txt_proj(text.to(device=device, dtype=dtype)))  # [b, nt, d]
+        ref_embed = None
+        if np_ > 0:
+            ref = ref.to(device=device, dtype=dtype)
+            ref_embed = self.audio_embed(ref, _all_or_none(ref_valid))  # [b, np, d]
+
+        def branches(cond: Tensor, uncond: Tensor) -> Tensor:
+            return torch.cat((cond, uncond), dim=0) if cfg else cond
+
+        c = branches(c, torch.zeros_like(c))  # uncond text is zeroed after txt_proj + txt_norm
+        if ref_embed is not None:
+            ref_embed = branches(ref_embed, self.audio_embed(torch.zeros_like(ref), _all_or_none(ref_valid)))
+        text_valid, ref_present, ref_valid, target_present = (
+            branches(mask, mask) for mask in (text_valid, ref_present, ref_valid, target_valid)
+        )
+
+        audio_present = torch.cat((ref_present, target_present), dim=1)  # [bc, na]
+        audio_valid = torch.cat((ref_valid, target_present), dim=1)
+        audio_visible = audio_valid if config.attn_mask_enabled else audio_present
+        single_present = torch.cat((text_valid, audio_present), dim=1)  # [bc, ns]
+
+        rope = self.rotary_embed.tables
+        joint = JointLayout(
+            rope_audio=rope(_positions(audio_present)),
+            rope_text=rope(_positions(text_valid)),
+            key_mask=_key_mask(torch.cat((audio_visible, text_valid), dim=1)),
+            audio_keep=_keep(audio_valid),
+            text_keep=_keep(text_valid),
+        )
+        single = SingleLayout(
+            rope=rope(_positions(single_present)),
+            key_mask=_key_mask(torch.cat((text_valid, audio_visible), dim=1)),
+            keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
+        )
+        return DiTContext(
+            cfg=cfg,
+            text=c,
+            ref=ref_embed,
+            target_mask=_all_or_none(target_valid),
+            target_len=target_len,
+            joint=joint,
+            single=single,
+        )
+
+    def forward(self, x: Tensor, t: Tensor | float, ctx: DiTContext) -> Tensor:
+        """Velocity for every context row: x [b, n, l] noisy target (the ODE state, NOT doubled for CFG),
+        t a 0-d or [b] time in [0, 1]. Returns [bc, n, l] in the weight dtype, cond rows then uncond rows.
+
+        The target is embedded once and shared by both CFG branches."""
+        b = ctx.batch
+        if x.shape != (b, ctx.target_len, self.config.latent_dim):
+            raise InputError(f"x must be [{b}, {ctx.target_len}, {self.config.latent_dim}], got {tuple(x.shape)}")
+        t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+        t = t.expand(b) if t.ndim == 0 else t
+        if t.shape != (b,):
+            raise InputError(f"t must be a scalar or of shape [{b}], got {tuple(t.shape)}")
+
+        temb = self.time_embed(t)  # [b, d]
+        target = self.audio_embed(x.to(self.dtype), ctx.target_mask)  # [b, n, d]
+        if ctx.cfg:
+            temb, target = temb.repeat(2, 1), target.repeat(2, 1, 1)  # [2b, ...]: cond rows, then uncond rows
+        audio = target if ctx.ref is None else torch.cat((ctx.ref, target), dim=1)  # [bc, na, d]
+        text = ctx.text  # [bc, nt, d]
+
+        for block in self.transformer_blocks:
+            audio, text = block(audio, text, temb, ctx.joint)
+        h = torch.cat((text, audio), dim=1)  # [bc, ns, d]
+        for block in self.single_transformer_blocks:
+            h = block(h, temb, ctx.single)
+
+        h = h[:, -ctx.target_len :]  # [bc, n, d]: the target is the last n positions
+        return self.proj_out(self.norm_out(h, temb))  # [bc, n, l]
