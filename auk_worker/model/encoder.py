@@ -1,0 +1,437 @@
+"""Stage 0: the instruction/audio encoder (frozen Qwen2.5-Omni thinker + learned layer fusion).
+
+AuK conditions its DiT on the hidden states of the Qwen2.5-Omni-3B thinker. One forward runs the prompt (a
+default system turn, the user's instruction, then either the reference clip as audio tokens or the literal
+marker ``|<no_prompt_audio>|``) through the thinker's audio tower and text model; the 36 layer outputs are
+layer-normed and mixed with the checkpoint's own softmax weights and scale (ELMo-style fusion).
+
+What this file owns, top to bottom:
+- ``render_prompt``: the chat-template string the processor would produce, written out by hand.
+- ``PromptProcessor``: tokenizer + Whisper log-mel features, expanding ``<|AUDIO|>`` to one token per audio
+  embedding, without the image/video processors (and so without torchvision).
+- ``fuse_hidden_states``: the fusion, always in fp32.
+- ``ThinkerTrunk``: the thinker's text model and audio tower only; no vision tower, no LM head.
+- ``ThinkerEncoder``: strict loading from a Qwen2.5-Omni snapshot and ``encode``.
+
+Shapes: b batch (always 1 here), nt prompt tokens (audio placeholders included), na audio tokens,
+m mel bins (128), f mel frames, d thinker hidden size (2048 at release), k fused layers (36 at release).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from auk_worker.errors import AudioError, CheckpointError, ConfigError, InputError, ModelError
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_PROMPT = "You are a helpful assistant."
+NO_PROMPT_AUDIO = "|<no_prompt_audio>|"
+AUDIO_PLACEHOLDER = "<|AUDIO|>"
+AUDIO_ITEM = "<|audio_bos|>" + AUDIO_PLACEHOLDER + "<|audio_eos|>"
+SAMPLE_RATE = 16_000
+FUSION_LN_EPS = 1e-5
+
+# Snapshot keys the encoder never loads, each with its cause. Anything else must be a `thinker.` key that the
+# trunk expects; a bare-thinker snapshot (keys without `thinker.`) is read as if every key carried the prefix.
+IGNORED_KEY_PREFIXES: dict[str, str] = {
+    "thinker.visual.": "vision tower: AuK conditions on text and audio only (upstream sets thinker.visual = None)",
+    "thinker.lm_head.": "LM head: the encoder reads hidden states and never computes logits",
+    "talker.": "Qwen2.5-Omni speech-output talker, not part of the thinker",
+    "token2wav.": "Qwen2.5-Omni speech-output vocoder, not part of the thinker",
+}
+THINKER_PREFIX = "thinker."
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt
+
+
+def render_prompt(instruction: str, has_audio: bool) -> str:
+    """The string ``apply_chat_template(..., add_generation_prompt=True)`` renders for AuK's single user turn.
+
+    The Qwen2.5-Omni template injects the default system turn, then concatenates the user's content items with
+    nothing between them: the text item, then the audio item (or, without audio, the no-audio marker that
+    upstream appends to the instruction text).
+    """
+    audio_part = AUDIO_ITEM if has_audio else NO_PROMPT_AUDIO
+    return (
+        f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+        f"<|im_start|>user\n{instruction}{audio_part}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def audio_token_count(num_frames: int) -> int:
+    """Audio tokens for ``num_frames`` mel frames: conv2 (stride 2, pad 1) then an average pool of 2."""
+    after_conv = (num_frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def read_thinker_config(qwen_dir: Path):
+    """The thinker's transformers config from a snapshot's config.json (full Qwen2.5-Omni or a bare thinker)."""
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
+
+    path = Path(qwen_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"Qwen snapshot {qwen_dir} has no config.json")
+    raw = json.loads(path.read_text())
+    model_type = raw.get("model_type")
+    if model_type == "qwen2_5_omni":
+        if "thinker_config" not in raw:
+            raise CheckpointError(f"{path}: a qwen2_5_omni config without thinker_config")
+        # Only the thinker section: building the talker/token2wav configs would only log warnings.
+        return Qwen2_5OmniThinkerConfig.from_dict(raw["thinker_config"])
+    if model_type == "qwen2_5_omni_thinker":
+        return Qwen2_5OmniThinkerConfig.from_dict(raw)
+    raise CheckpointError(f"{path}: model_type {model_type!r} is not qwen2_5_omni or qwen2_5_omni_thinker")
+
+
+def _is_full_omni_snapshot(qwen_dir: Path) -> bool:
+    return json.loads((Path(qwen_dir) / "config.json").read_text()).get("model_type") == "qwen2_5_omni"
+
+
+@dataclass(frozen=True)
+class ThinkerSpec:
+    """The few thinker dimensions the encoder checks against; read from the snapshot's own config."""
+
+    hidden_size: int
+    num_layers: int
+    audio_token_id: int
+    num_mel_bins: int
+
+    @classmethod
+    def from_config(cls, thinker_config) -> ThinkerSpec:
+        return cls(
+            hidden_size=thinker_config.text_config.hidden_size,
+            num_layers=thinker_config.text_config.num_hidden_layers,
+            audio_token_id=thinker_config.audio_token_index,
+            num_mel_bins=thinker_config.audio_config.num_mel_bins,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processor (tokenizer + Whisper features; no image or video processor)
+
+
+def _check_audio(audio: np.ndarray) -> np.ndarray:
+    audio = np.asarray(audio)
+    if audio.ndim != 1 or audio.size == 0:
+        raise AudioError(f"prompt audio must be a non-empty mono 16 kHz array, got shape {audio.shape}")
+    if not np.issubdtype(audio.dtype, np.floating):
+        raise AudioError(f"prompt audio must be floating point, got {audio.dtype}")
+    if not np.isfinite(audio).all():
+        raise AudioError("prompt audio contains NaN or infinite samples")
+    return audio.astype(np.float32, copy=False)
+
+
+class PromptProcessor:
+    """Turns (instruction, 16 kHz clip or None) into the thinker's inputs, as Qwen2_5OmniProcessor would.
+
+    The feature extractor is called with the processor's own arguments (sampling_rate 16000, padding
+    "max_length", truncation, attention mask), except that the padding stops a little past the clip instead of at
+    the extractor's full window (300 s for Qwen2.5-Omni). Every frame whose STFT window touches the clip is
+    computed from the same samples either way and the log-mel floor is the same, so the valid frames are the
+    processor's; only the all-padding frames that the thinker discards are not computed.
+    """
+
+    def __init__(self, tokenizer, feature_extractor, audio_token_id: int) -> None:
+        placeholder = tokenizer.convert_ids_to_tokens(audio_token_id)
+        if placeholder != AUDIO_PLACEHOLDER:
+            raise CheckpointError(
+                f"thinker audio_token_index {audio_token_id} is {placeholder!r} in the tokenizer, "
+                f"expected {AUDIO_PLACEHOLDER!r}"
+            )
+        if feature_extractor.sampling_rate != SAMPLE_RATE:
+            raise CheckpointError(f"feature extractor expects {feature_extractor.sampling_rate} Hz, not {SAMPLE_RATE}")
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.audio_token_id = audio_token_id
+        self.reserved_tokens = tuple(tokenizer.get_added_vocab())
+
+    @classmethod
+    def from_pretrained(cls, qwen_dir: Path) -> PromptProcessor:
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+        qwen_dir = Path(qwen_dir)
+        if not (qwen_dir / "preprocessor_config.json").is_file():
+            raise CheckpointError(f"Qwen snapshot {qwen_dir} has no preprocessor_config.json")
+        config = read_thinker_config(qwen_dir)
+        tokenizer = AutoTokenizer.from_pretrained(qwen_dir, local_files_only=True)
+        feature_extractor = WhisperFeatureExtractor.from_pretrained(qwen_dir, local_files_only=True)
+        if feature_extractor.feature_size != config.audio_config.num_mel_bins:
+            raise CheckpointError(
+                f"feature extractor makes {feature_extractor.feature_size} mel bins, "
+                f"the audio tower takes {config.audio_config.num_mel_bins}"
+            )
+        return cls(tokenizer, feature_extractor, config.audio_token_index)
+
+    def __call__(self, instruction: str, audio_16k: np.ndarray | None) -> dict[str, Tensor]:
+        for token in self.reserved_tokens:
+            if token in instruction:
+                raise InputError(f"instruction contains the reserved token {token!r}")
+        text = render_prompt(instruction, has_audio=audio_16k is not None)
+        batch: dict[str, Tensor] = {}
+        if audio_16k is not None:
+            features, feature_mask = self.audio_features(audio_16k)
+            num_tokens = audio_token_count(int(feature_mask.sum()))
+            text = text.replace(AUDIO_PLACEHOLDER, AUDIO_PLACEHOLDER * num_tokens)
+            batch.update(input_features=features, feature_attention_mask=feature_mask)
+        tokens = self.tokenizer(text, return_tensors="pt")
+        batch.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        return batch
+
+    def audio_features(self, audio_16k: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Log-mel features of the clip's frames, [1, m, f], and their (all-ones) mask, [1, f]."""
+        audio = _check_audio(audio_16k)
+        extractor = self.feature_extractor
+        if audio.size > extractor.n_samples:
+            logger.warning(
+                "prompt audio: %.1f s truncated to the extractor's %.1f s",
+                audio.size / SAMPLE_RATE,
+                extractor.n_samples / SAMPLE_RATE,
+            )
+        # n_fft samples of silence past the clip cover every window that touches it (see the class docstring).
+        padded = min(extractor.n_samples, -(-(audio.size + extractor.n_fft) // extractor.hop_length) * extractor.hop_length)
+        out = extractor(
+            audio,
+            sampling_rate=SAMPLE_RATE,
+            padding="max_length",
+            max_length=padded,
+            truncation=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        num_frames = int(out["attention_mask"].sum())
+        features = out["input_features"][:, :, :num_frames].float()  # [1, m, f]
+        feature_mask = out["attention_mask"][:, :num_frames]  # [1, f]
+        return features, feature_mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fusion
+
+
+def fuse_hidden_states(hidden_states: Sequence[Tensor], layer_weights: Tensor, layer_scale: Tensor) -> Tensor:
+    """ELMo-style fusion: layer_scale * sum_i softmax(layer_weights)_i * LN(h_i) over the layer outputs.
+
+    ``hidden_states`` is the thinker's tuple (embeddings first, final-normed last layer last); the embeddings are
+    dropped. LN has no affine and eps 1e-5. Computed in fp32 whatever the thinker's dtype; returns [b, nt, d] fp32.
+    """
+    layers = hidden_states[1:]
+    if len(layers) != layer_weights.numel():
+        raise ModelError(
+            f"thinker returned {len(hidden_states)} hidden states, fusion expects "
+            f"{layer_weights.numel()} layers plus the embeddings"
+        )
+    weights = torch.softmax(layer_weights.float().flatten(), dim=0)  # [k]
+    fused = torch.zeros(layers[0].shape, dtype=torch.float32, device=layers[0].device)  # [b, nt, d]
+    for weight, hidden in zip(weights, layers):
+        fused += weight * F.layer_norm(hidden.float(), (hidden.shape[-1],), eps=FUSION_LN_EPS)
+    return fused * layer_scale.float().reshape(())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Thinker without its vision tower and LM head
+
+
+class ThinkerTrunk(nn.Module):
+    """The thinker's text model (``model``) and audio tower (``audio_tower``); state-dict keys are the snapshot's
+    ``thinker.*`` keys without the prefix. Its forward mirrors the thinker's for text and audio inputs."""
+
+    def __init__(self, thinker_config) -> None:
+        super().__init__()
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+            Qwen2_5OmniThinkerTextModel,
+        )
+
+        # sdpa is the default backend of the upstream-validated stack and runs on CPU as well as CUDA.
+        self.model = Qwen2_5OmniThinkerTextModel._from_config(thinker_config.text_config, attn_implementation="sdpa")
+        self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(thinker_config.audio_config, attn_implementation="sdpa")
+        self.audio_token_id = thinker_config.audio_token_index
+
+    def rebuild_computed_buffers(self, device: torch.device) -> None:
+        """Recreate the parameter-free modules whose buffers are computed at init rather than stored in the
+        checkpoint (rotary inverse frequencies, the audio tower's sinusoids), e.g. after building on meta."""
+        rotary = self.model.rotary_emb
+        self.model.rotary_emb = type(rotary)(config=self.model.config).to(device)
+        positions = self.audio_tower.positional_embedding
+        self.audio_tower.positional_embedding = type(positions)(positions.length, positions.channels).to(device)
+
+    def embed_audio(self, input_features: Tensor, feature_attention_mask: Tensor) -> Tensor:
+        """Audio tower over the valid frames of each clip: [b, m, f] -> [na, d]."""
+        frames = feature_attention_mask.sum(-1)  # [b]
+        valid = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)  # [m, sum f]
+        after_conv = (frames - 1) // 2 + 1  # [b]
+        dtype = self.audio_tower.conv1.weight.dtype
+        return self.audio_tower(valid.to(dtype), feature_lens=frames, aftercnn_lens=after_conv).last_hidden_state
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        input_features: Tensor | None = None,
+        feature_attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
+        """All hidden states of the text model: the embeddings, then each layer's output, the last final-normed."""
+        embeds = self.model.embed_tokens(input_ids)  # [b, nt, d]
+        if input_features is not None:
+            audio = self.embed_audio(input_features, feature_attention_mask)  # [na, d]
+            slots = input_ids == self.audio_token_id  # [b, nt]
+            if int(slots.sum()) != audio.shape[0]:
+                raise ModelError(f"prompt has {int(slots.sum())} audio tokens, the audio tower made {audio.shape[0]}")
+            embeds = embeds.masked_scatter(slots.unsqueeze(-1), audio.to(embeds.dtype))
+        # Without images or video, M-RoPE's three sections share one index: plain positions 0..nt-1.
+        b, nt = input_ids.shape
+        positions = torch.arange(nt, device=input_ids.device).expand(3, b, nt)  # [3, b, nt]
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        return tuple(out.hidden_states)
+
+
+def _snapshot_tensor_files(qwen_dir: Path) -> dict[str, Path]:
+    """Map every tensor key of the snapshot to its safetensors file (sharded with an index, or single)."""
+    index = qwen_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        files = {key: qwen_dir / name for key, name in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise CheckpointError(f"{index} names {path.name}, which is missing")
+        return files
+    single = qwen_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as handle:
+            return {key: single for key in handle.keys()}
+    raise CheckpointError(f"Qwen snapshot {qwen_dir} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def _trunk_key(snapshot_key: str, full_snapshot: bool) -> str | None:
+    """The trunk's key for a snapshot key, None for an ignored one; unknown prefixes are a CheckpointError."""
+    key = snapshot_key if full_snapshot else THINKER_PREFIX + snapshot_key
+    if any(key.startswith(prefix) for prefix in IGNORED_KEY_PREFIXES):
+        return None
+    if not key.startswith(THINKER_PREFIX):
+        raise CheckpointError(f"unexpected key {snapshot_key!r} in the Qwen snapshot")
+    return key[len(THINKER_PREFIX) :]
+
+
+def _read_trunk_weights(
+    qwen_dir: Path, expected: dict[str, Tensor], device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield (trunk key, tensor on device) for every thinker key, checking names and shapes strictly."""
+    full_snapshot = _is_full_omni_snapshot(qwen_dir)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for snapshot_key, path in _snapshot_tensor_files(qwen_dir).items():
+        key = _trunk_key(snapshot_key, full_snapshot)
+        if key is None:
+            continue
+        if key not in expected:
+            raise CheckpointError(f"unexpected key {snapshot_key!r} in the Qwen snapshot")
+        by_file.setdefault(path, []).append((snapshot_key, key))
+    found = {key for pairs in by_file.values() for _, key in pairs}
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise CheckpointError(f"Qwen snapshot is missing {len(missing)} thinker keys, e.g. {missing[:5]}")
+    for path, pairs in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for snapshot_key, key in pairs:
+                tensor = handle.get_tensor(snapshot_key)
+                if tuple(tensor.shape) != tuple(expected[key].shape):
+                    raise CheckpointError(
+                        f"{snapshot_key}: shape {tuple(tensor.shape)} in the snapshot, "
+                        f"{tuple(expected[key].shape)} expected"
+                    )
+                target = dtype if tensor.is_floating_point() else tensor.dtype
+                yield key, tensor.to(device=device, dtype=target)
+
+
+def load_thinker_trunk(qwen_dir: Path, device: torch.device, dtype: torch.dtype) -> ThinkerTrunk:
+    """Build the trunk on the meta device (no vision tower, no LM head) and load its weights strictly."""
+    qwen_dir = Path(qwen_dir)
+    config = read_thinker_config(qwen_dir)
+    with torch.device("meta"):
+        trunk = ThinkerTrunk(config)
+    expected = trunk.state_dict()
+    state = dict(_read_trunk_weights(qwen_dir, expected, device, dtype))
+    trunk.load_state_dict(state, strict=True, assign=True)
+    trunk.rebuild_computed_buffers(device)
+    still_meta = [name for name, t in [*trunk.named_parameters(), *trunk.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ModelError(f"thinker tensors left unmaterialised after loading: {still_meta[:5]}")
+    trunk.requires_grad_(False)
+    return trunk.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public entry
+
+
+class ThinkerEncoder:
+    """Prompt -> fused thinker condition. Load once; ``encode`` per request (no state kept between calls)."""
+
+    def __init__(
+        self, processor: PromptProcessor, trunk: ThinkerTrunk, layer_weights: Tensor, layer_scale: Tensor
+    ) -> None:
+        self.processor = processor
+        self.trunk = trunk
+        self.device = trunk.model.embed_tokens.weight.device
+        self.layer_weights = layer_weights.detach().to(self.device, torch.float32)
+        self.layer_scale = layer_scale.detach().to(self.device, torch.float32)
+        self.hidden_size = trunk.model.config.hidden_size
+
+    @classmethod
+    def load(
+        cls,
+        qwen_dir: Path,
+        layer_weights: Tensor,
+        layer_scale: Tensor,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> ThinkerEncoder:
+        """``dtype`` float32 is the exact recipe; bfloat16 keeps the weights in bf16 (faster). Fusion is fp32."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"thinker dtype must be float32 or bfloat16, got {dtype}")
+        qwen_dir = Path(qwen_dir)
+        spec = ThinkerSpec.from_config(read_thinker_config(qwen_dir))
+        if tuple(layer_weights.shape) != (spec.num_layers,):
+            raise CheckpointError(
+                f"layer_weights has shape {tuple(layer_weights.shape)}, the thinker has {spec.num_layers} layers"
+            )
+        if layer_scale.numel() != 1:
+            raise CheckpointError(f"layer_scale has shape {tuple(layer_scale.shape)}, expected one value")
+        processor = PromptProcessor.from_pretrained(qwen_dir)
+        trunk = load_thinker_trunk(qwen_dir, torch.device(device), dtype)
+        logger.info("thinker %s: %d layers, hidden %d, %s on %s", qwen_dir, spec.num_layers, spec.hidden_size, dtype, device)
+        return cls(processor, trunk, layer_weights, layer_scale)
+
+    @torch.inference_mode()
+    def encode(self, instruction: str, audio_16k: np.ndarray | None) -> tuple[Tensor, Tensor]:
+        """One thinker forward: (fused condition fp32 [1, nt, d], text mask bool [1, nt])."""
+        batch = {name: t.to(self.device) for name, t in self.processor(instruction, audio_16k).items()}
+        hidden_states = self.trunk(**batch)
+        condition = fuse_hidden_states(hidden_states, self.layer_weights, self.layer_scale)  # [1, nt, d]
+        return condition, batch["attention_mask"].bool()
