@@ -1,0 +1,34 @@
+"""``python -m api``: serve the API with uvicorn on 127.0.0.1:${AUK_API_PORT:-8000} (``AUK_API_HOST`` moves it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import uvicorn
+
+from auk_worker.errors import ConfigError
+
+
+def main() -> int:
+    host = os.environ.get("AUK_API_HOST", "127.0.0.1")
+    raw_port = os.environ.get("AUK_API_PORT", "8000")
+    if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+        print(f"AUK_API_PORT must be a port number, got {raw_port!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=os.environ.get("AUK_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from api.app import make_app
+
+        app = make_app()  # settings are checked here, before the port is bound
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=host, port=int(raw_port), proxy_headers=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Bearer API keys: who is calling, as an owner id.
+
+Keys come from ``AUK_API_KEYS``. A caller is known by its owner id, the first 16 hex digits of the key's
+SHA-256, which is what job and batch records store; raw keys are never written anywhere.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from api.errors import ApiError
+from auk_worker.service.jobs import owner_id
+
+
+class KeyRing:
+    """The accepted keys, compared in constant time."""
+
+    def __init__(self, api_keys: tuple[str, ...]) -> None:
+        self._keys = tuple(key.encode("utf-8") for key in api_keys)
+
+    def owner_for(self, authorization: str | None) -> str:
+        """Owner id for an ``Authorization: Bearer <key>`` header; 401 for a missing or unknown key."""
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise _unauthorized("missing bearer token: send 'Authorization: Bearer <API key>'")
+        candidate = token.encode("utf-8")
+        matches = [hmac.compare_digest(candidate, key) for key in self._keys]  # every key compared, always
+        if not any(matches):
+            raise _unauthorized("the API key is not valid")
+        return owner_id(token)
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def caller(request: Request) -> str:
+    """FastAPI dependency: the calling key's owner id."""
+    keyring: KeyRing = request.app.state.keyring
+    return keyring.owner_for(request.headers.get("authorization"))

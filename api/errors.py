@@ -1,0 +1,161 @@
+"""Errors as the API answers them: the one place that maps error kinds and job states to HTTP.
+
+Every error leaves the API as JSON ``{"error": {"code": ..., "message": ...}}`` with a 4xx status that says
+whose fault it is: a malformed body is 400, a body that parses but breaks a rule is 422 (naming the field),
+an oversized upload 413, an unknown or foreign job 404, cancelling a finished job 409. Only a dependency
+being down is a 5xx (503, retry later); anything unexpected is a logged 500, the last resort.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from auk_worker.errors import AuKError, InfraError, InputError
+from auk_worker.service.jobs import TERMINAL, JobStatus
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An answer the API gives on purpose: an HTTP status, a stable code and a sentence naming the problem."""
+
+    def __init__(self, status: int, code: str, message: str, *, details: Any = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+        self.headers = dict(headers or {})
+
+
+def not_found(what: str, ident: str) -> ApiError:
+    """Unknown and foreign resources look the same, so that ids of other keys' jobs leak nothing."""
+    return ApiError(404, "not_found", f"no {what} {ident!r}")
+
+
+def too_large(what: str, limit: int) -> ApiError:
+    return ApiError(413, "too_large", f"{what} is larger than the limit of {limit} bytes")
+
+
+def status_for_error(exc: AuKError) -> int:
+    """HTTP status for the service's own error family."""
+    if isinstance(exc, InputError):
+        return 422
+    if isinstance(exc, InfraError):
+        return 503
+    return 500
+
+
+def require_cancelable(status: JobStatus, job_id: str) -> None:
+    """A finished job keeps its final state: cancelling it is a conflict, not a silent no-op."""
+    if status in TERMINAL:
+        raise ApiError(409, "already_finished", f"job {job_id!r} is already {status.value} and cannot be canceled")
+
+
+def batch_state(counts: Mapping[str, int], total: int) -> str:
+    """A batch is ``done`` once every one of its jobs reached a terminal state."""
+    finished = sum(counts.get(status.value, 0) for status in TERMINAL)
+    return "done" if finished >= total else "running"
+
+
+def describe_validation_errors(errors: Iterable[Mapping[str, Any]], *, skip: Sequence[str] = ("body",)) -> list[dict]:
+    """Pydantic errors as ``{"field", "message"}`` pairs, the field written as a dotted path (``audio.key``)."""
+    described = []
+    for err in errors:
+        loc = [str(part) for part in err.get("loc", ()) if str(part) not in skip]
+        field = ".".join(loc)
+        kind = err.get("type", "")
+        message = str(err.get("msg", "invalid value"))
+        if kind == "extra_forbidden":
+            message = "unknown field"
+        elif kind == "missing":
+            message = "field required"
+        elif message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        described.append({"field": field, "message": message})
+    return described
+
+
+def summarize(described: Sequence[Mapping[str, str]]) -> str:
+    """One sentence out of several field errors: ``instruction: field required; foo: unknown field``."""
+    return "; ".join(f"{d['field']}: {d['message']}" if d["field"] else d["message"] for d in described)
+
+
+def _body(code: str, message: str, details: Any = None) -> dict:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if details is not None:
+        error["details"] = details
+    return {"error": error}
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=exc.headers)
+
+
+_NOT_OBJECT = {"model_attributes_type", "dict_type", "model_type"}
+
+
+async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:
+        ctx = bad_json[0].get("ctx") or {}
+        reason = ctx.get("error") or bad_json[0].get("msg", "")
+        return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
+    not_object = [e for e in errors if tuple(e.get("loc", ())) == ("body",) and e.get("type") in _NOT_OBJECT]
+    if not_object:
+        message = "the request body must be a JSON object sent with Content-Type: application/json"
+        return JSONResponse(_body("malformed_json", message), status_code=400)
+    described = describe_validation_errors(errors, skip=("body", "query", "path", "header"))
+    return JSONResponse(_body("invalid_request", summarize(described), described), status_code=422)
+
+
+async def _pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
+    described = describe_validation_errors(exc.errors())
+    return JSONResponse(_body("invalid_request", summarize(described), described), status_code=422)
+
+
+async def _auk_error(request: Request, exc: AuKError) -> JSONResponse:
+    status = status_for_error(exc)
+    if status >= 500:
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, exc.message, exc.code)
+    return JSONResponse(_body(exc.code, exc.message), status_code=status)
+
+
+async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
+    log.warning("%s %s: redis: %s", request.method, request.url.path, exc)
+    return JSONResponse(_body(InfraError.code, f"the job store (Redis) is unreachable: {exc}"), status_code=503)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "too_large"}
+    message = exc.detail if isinstance(exc.detail, str) else "request refused"
+    if exc.status_code == 404 and message == "Not Found":
+        message = "no such endpoint"
+    return JSONResponse(_body(codes.get(exc.status_code, "http_error"), message), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("%s %s: unexpected error", request.method, request.url.path)
+    return JSONResponse(_body("internal", "internal error; the request was not completed"), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(ValidationError, _pydantic_validation)
+    app.add_exception_handler(AuKError, _auk_error)
+    app.add_exception_handler(redis.RedisError, _redis_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
