@@ -467,5 +467,9 @@ class JobStore:
         """True exactly once, for the first caller after every job of the batch is terminal."""
         return bool(self._claim(keys=[self.batch_key(batch_id)]))
 
+    def release_batch_manifest(self, batch_id: str) -> None:
+        """Give the manifest claim back (its upload failed) so the next attempt can claim it."""
+        self.redis.hdel(self.batch_key(batch_id), "manifest_claimed")
+
     def set_batch_manifest(self, batch_id: str, key: str) -> None:
         self.redis.hset(self.batch_key(batch_id), mapping={"manifest_key": key, "finished_at": utc_now()})

@@ -138,6 +138,9 @@ class Storage:
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", self.client.delete_object, Bucket=self.bucket, Key=key)
+
     def list_keys(self, prefix: str) -> list[str]:
         """Every key in the result bucket under ``prefix`` (used by tests and the manifest check)."""
         keys: list[str] = []

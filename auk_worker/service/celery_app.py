@@ -1,0 +1,58 @@
+"""The Celery app shared by the API (which only sends ``auk.render`` by name) and the worker (which runs it).
+
+Reliability settings, each for a reason:
+
+- ``task_acks_late`` + ``worker_prefetch_multiplier=1``: a job leaves Redis only after its WAV is stored and its
+  record says so, and a worker holds one job at a time.
+- ``task_reject_on_worker_lost``: a job whose process died is requeued rather than acknowledged.
+- ``visibility_timeout`` (``AUK_VISIBILITY_TIMEOUT``): with the Redis broker, a job delivered but never
+  acknowledged (its worker was SIGKILLed, the machine lost power) is redelivered after this many seconds. It must
+  exceed the longest job, or a job still rendering is handed to a second worker as well.
+- ``queue_order_strategy=priority``: a worker polls its queues in the order given, so ``interactive`` drains
+  before ``bulk``.
+- Results are ignored: the job record in Redis is the result.
+
+Building the app connects to nothing.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from auk_worker.service.settings import Settings
+
+RENDER_TASK = "auk.render"
+PRIORITIES = ("interactive", "bulk")  # polling order
+
+
+def queue_name(variant: str, priority: str) -> str:
+    return f"auk.{variant}.{priority}"
+
+
+def worker_queues(variant: str) -> list[str]:
+    """The queues a worker of ``variant`` consumes, highest priority first."""
+    return [queue_name(variant, priority) for priority in PRIORITIES]
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("auk", broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        task_serializer="json",
+        accept_content=["json"],
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout,
+            "queue_order_strategy": "priority",
+        },
+        broker_connection_retry_on_startup=True,
+        task_default_queue=queue_name(settings.variant or "base", "interactive"),
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        worker_enable_remote_control=False,
+        enable_utc=True,
+    )
+    return app

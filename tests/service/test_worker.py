@@ -1,0 +1,297 @@
+"""Worker processes end to end, without the API: records are created with ``JobStore``, tasks sent by name with a
+Celery client app, and each test asserts what the Redis records, the bucket and the broker queues hold.
+
+Most tests run the instant pipeline (``AUK_PIPELINE=instant``; ``AUK_INSTANT_STEP_DELAY`` stretches a job so a
+test can act in the middle of it); ``test_tiny_checkpoint_job_succeeds`` runs the real pipeline on the tiny
+checkpoint once that lands.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
+from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.schema import JobRequest, check_total_length
+from auk_worker.service.settings import Settings
+from auk_worker.service.storage import Storage, manifest_key, result_key
+from auk_worker.types import HOP, frames_for_seconds
+
+OWNER = "0123456789abcdef"
+
+
+def expected_samples(gen_seconds: float) -> int:
+    return frames_for_seconds(gen_seconds) * HOP
+
+
+def make_record(body: dict[str, Any]) -> JobRecord:
+    request = JobRequest.model_validate(body)
+    stored = {**request.model_dump(mode="json"), "clip": None, "target_seconds": check_total_length(request, None)}
+    return JobRecord.new(OWNER, stored, queue=queue_name(request.variant, request.priority), custom_id=request.custom_id)
+
+
+def send(settings: Settings, record: JobRecord) -> None:
+    make_celery(settings).send_task(RENDER_TASK, args=[record.id], queue=record.queue)
+
+
+def submit(store: JobStore, settings: Settings, **body: Any) -> JobRecord:
+    record, created = store.create(make_record({"instruction": "Say hello.", "gen_seconds": 1.0, **body}))
+    assert created
+    send(settings, record)
+    return record
+
+
+def wait_for(store: JobStore, job_id: str, until, timeout: float = 30.0, what: str = "") -> JobRecord:
+    deadline = time.monotonic() + timeout
+    record = store.get(job_id)
+    while time.monotonic() < deadline:
+        record = store.get(job_id)
+        if record is not None and until(record):
+            return record
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id}: {what or 'condition'} not reached in {timeout} s; record: {record}")
+
+
+def wait_terminal(store: JobStore, job_id: str, timeout: float = 30.0) -> JobRecord:
+    return wait_for(store, job_id, lambda r: r.terminal, timeout, "a terminal state")
+
+
+def broker_idle(redis_client, variant: str = "base") -> bool:
+    """No message waiting in this variant's queues and none delivered but unacknowledged."""
+    queues = [queue_name(variant, p) for p in ("interactive", "bulk")]
+    waiting = sum(redis_client.llen(q) for q in queues)
+    return waiting == 0 and redis_client.hlen("unacked") == 0
+
+
+def read_wav(storage: Storage, key: str) -> tuple[np.ndarray, int, str]:
+    data = storage.get_bytes(storage.bucket, key)
+    info = sf.info(io.BytesIO(data))
+    samples, rate = sf.read(io.BytesIO(data), dtype="float32")
+    return samples, rate, info.subtype
+
+
+def wavs(storage: Storage, settings: Settings) -> list[str]:
+    return [k for k in storage.list_keys(f"{settings.s3_prefix}jobs/") if k.endswith(".wav")]
+
+
+# ------------------------------------------------------------------------------------------------ happy path
+
+
+def test_jobs_and_batch_succeed_with_wavs_metadata_and_manifest(
+    start_worker, store, settings, storage, redis_client
+) -> None:
+    worker = start_worker("w-happy")
+    beat = worker.wait_state(redis_client, "ready", timeout=60)
+    assert beat["variant"] == "base"
+
+    pcm = submit(store, settings, gen_seconds=1.3, seed=7, custom_id="pcm")
+    flt = submit(store, settings, gen_seconds=0.5, output_format="float32", num_inference_steps=5)
+    done = wait_terminal(store, pcm.id)
+    assert done.status == JobStatus.SUCCEEDED, done.error
+    assert done.attempts == 1 and done.kills == 0 and done.error is None
+    assert done.progress == {"step": 32, "total": 32}
+    assert done.started_at and done.finished_at and done.started_at <= done.finished_at
+    key = result_key(settings.s3_prefix, pcm.id)
+    assert done.result["key"] == key and done.result["bucket"] == settings.s3_bucket
+    assert done.result["seed"] == 7 and done.result["sample_rate"] == 24_000
+    samples, rate, subtype = read_wav(storage, key)
+    assert (rate, subtype, len(samples)) == (24_000, "PCM_16", expected_samples(1.3))
+    assert done.result["duration_s"] == pytest.approx(len(samples) / 24_000)
+    meta = storage.head(key)["Metadata"]
+    assert meta["seed"] == "7" and meta["variant"] == "base" and meta["job-id"] == pcm.id
+    assert meta["custom-id"] == "pcm" and meta["steps"] == "32" and len(meta["instruction-sha256"]) == 16
+
+    done = wait_terminal(store, flt.id)
+    assert done.status == JobStatus.SUCCEEDED, done.error
+    samples, rate, subtype = read_wav(storage, done.result["key"])
+    assert (subtype, len(samples)) == ("FLOAT", expected_samples(0.5))
+    assert done.progress == {"step": 5, "total": 5}
+
+    # A batch on the bulk queue: every WAV, then one manifest listing them all.
+    records = [make_record({"instruction": f"Line {i}.", "gen_seconds": 0.2 + 0.1 * i, "custom_id": f"c{i}",
+                            "priority": "bulk"}) for i in range(4)]  # fmt: skip
+    batch_id = store.create_batch(OWNER, records)
+    for record in records:
+        send(settings, record)
+    for record in records:
+        assert wait_terminal(store, record.id).status == JobStatus.SUCCEEDED
+    batch = wait_for_batch_manifest(store, batch_id)
+    assert batch["counts"] == {"queued": 0, "running": 0, "succeeded": 4, "failed": 0, "canceled": 0}
+    lines = [json.loads(line) for line in storage.get_bytes(storage.bucket, batch["manifest_key"]).decode().splitlines()]
+    assert batch["manifest_key"] == manifest_key(settings.s3_prefix, batch_id)
+    assert [line["custom_id"] for line in lines] == ["c0", "c1", "c2", "c3"]
+    assert all(line["status"] == "succeeded" and line["key"] == result_key(settings.s3_prefix, line["job_id"])
+               for line in lines)  # fmt: skip
+    for i, record in enumerate(records):
+        assert len(read_wav(storage, result_key(settings.s3_prefix, record.id))[0]) == expected_samples(0.2 + 0.1 * i)
+    assert len(wavs(storage, settings)) == 6
+    assert broker_idle(redis_client)
+
+    # A redelivered message of a finished job is acknowledged without a second render.
+    send(settings, records[0])
+    time.sleep(0.5)
+    assert store.get(records[0].id).attempts == 1
+    assert broker_idle(redis_client)
+
+    # Warm shutdown: SIGTERM in the middle of a job lets it finish first.
+    assert worker.terminate(timeout=20) == 0
+    slow = submit(store, settings, gen_seconds=0.4, num_inference_steps=60)
+    worker_slow = start_worker("w-slow", AUK_INSTANT_STEP_DELAY="0.03")
+    worker_slow.wait_state(redis_client, "busy", timeout=60)
+    assert worker_slow.terminate(timeout=30) == 0
+    done = store.get(slow.id)
+    assert done.status == JobStatus.SUCCEEDED and done.attempts == 1
+    assert broker_idle(redis_client)
+    assert worker_slow.heartbeat(redis_client) == {}
+
+
+def wait_for_batch_manifest(store: JobStore, batch_id: str, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = store.get_batch(batch_id)
+        if batch["manifest_key"]:
+            return batch
+        time.sleep(0.05)
+    raise AssertionError(f"batch {batch_id}: no manifest after {timeout} s: {store.get_batch(batch_id)}")
+
+
+def test_tiny_checkpoint_job_succeeds(start_worker, tiny_checkpoint, store, settings, storage, redis_client) -> None:
+    worker = start_worker("w-tiny", ["--checkpoint", str(tiny_checkpoint)], AUK_PIPELINE="auk")
+    worker.wait_state(redis_client, "ready", timeout=120)
+    job = submit(store, settings, gen_seconds=0.6, num_inference_steps=3, seed=3)
+    done = wait_terminal(store, job.id, timeout=120)
+    assert done.status == JobStatus.SUCCEEDED, done.error
+    samples, rate, subtype = read_wav(storage, done.result["key"])
+    assert (rate, subtype, len(samples)) == (24_000, "PCM_16", expected_samples(0.6))
+    assert np.isfinite(samples).all()
+    assert set(done.result["model_hashes"]) >= {"dit", "vae"}
+    assert done.progress == {"step": 3, "total": 3}
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+def test_sigkill_mid_job_second_worker_finishes_it(start_worker, store, settings, storage, redis_client) -> None:
+    first = start_worker("w-doomed", AUK_INSTANT_STEP_DELAY="0.1")
+    first.wait_state(redis_client, "ready", timeout=60)
+    job = submit(store, settings, gen_seconds=0.8, num_inference_steps=20)
+    wait_for(store, job.id, lambda r: (r.progress or {}).get("step", 0) >= 3, 20, "step 3")
+    first.kill()
+
+    held = store.get(job.id)
+    assert held.status == JobStatus.RUNNING and held.attempts == 1
+    assert redis_client.hlen("unacked") == 1  # the broker still holds the delivered message
+
+    second = start_worker("w-rescue", AUK_INSTANT_STEP_DELAY="0.01")
+    second.wait_state(redis_client, "ready", timeout=60)
+    done = wait_terminal(store, job.id, timeout=40)
+    assert done.status == JobStatus.SUCCEEDED, done.error
+    assert done.attempts == 2 and done.kills == 1
+    assert wavs(storage, settings) == [result_key(settings.s3_prefix, job.id)]
+    assert len(read_wav(storage, done.result["key"])[0]) == expected_samples(0.8)
+    wait_for(store, job.id, lambda r: broker_idle(redis_client), 10, "the broker to drain")
+
+
+def test_storage_down_during_job_retries_then_succeeds(
+    start_worker, store, settings, storage, redis_client, s3_server
+) -> None:
+    worker = start_worker("w-s3", AUK_INSTANT_STEP_DELAY="0.05", AUK_VISIBILITY_TIMEOUT="60")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    job = submit(store, settings, gen_seconds=0.5, num_inference_steps=20)
+    wait_for(store, job.id, lambda r: (r.progress or {}).get("step", 0) >= 2, 20, "step 2")
+    s3_server.stop()
+    try:
+        # The upload fails; the attempt lets go of the record and a retry renders again.
+        retried = wait_for(store, job.id, lambda r: r.attempts >= 2, 20, "a retry")
+        assert retried.status in (JobStatus.QUEUED, JobStatus.RUNNING) and retried.error is None
+        time.sleep(1.0)
+    finally:
+        s3_server.start()
+    done = wait_terminal(store, job.id, timeout=60)
+    assert done.status == JobStatus.SUCCEEDED, done.error
+    assert done.attempts >= 2 and done.kills == 0
+    assert wavs(storage, settings) == [result_key(settings.s3_prefix, job.id)]
+    assert len(read_wav(storage, done.result["key"])[0]) == expected_samples(0.5)
+    assert "retry" in worker.log_tail(20000)
+    wait_for(store, job.id, lambda r: broker_idle(redis_client), 10, "the broker to drain")
+
+
+def test_bad_input_fails_at_once_and_worker_goes_on(start_worker, store, settings, storage, redis_client) -> None:
+    worker = start_worker("w-bad")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    not_audio = f"{settings.s3_prefix}inputs/notes.txt"
+    storage.put_bytes(not_audio, b"this is a shopping list, not a recording\n" * 20, "text/plain")
+
+    bad = submit(store, settings, audio={"key": not_audio}, gen_seconds=None)
+    missing = submit(store, settings, audio={"key": f"{settings.s3_prefix}inputs/absent.wav"})
+    good = submit(store, settings, gen_seconds=0.3)
+
+    done = wait_terminal(store, bad.id)
+    assert done.status == JobStatus.FAILED and done.attempts == 1
+    assert done.error["code"] == "invalid_audio" and "not audio" in done.error["message"]
+    done = wait_terminal(store, missing.id)
+    assert done.status == JobStatus.FAILED and done.attempts == 1
+    assert done.error["code"] == "audio_not_found" and "absent.wav" in done.error["message"]
+
+    done = wait_terminal(store, good.id)
+    assert done.status == JobStatus.SUCCEEDED
+    assert wavs(storage, settings) == [result_key(settings.s3_prefix, good.id)]
+    assert worker.proc.poll() is None and worker.heartbeat(redis_client)["pid"] == str(worker.pid)
+    assert "retry" not in worker.log_tail(20000)
+    assert broker_idle(redis_client)
+
+
+def test_job_that_killed_its_worker_three_times_fails(start_worker, store, settings, storage, redis_client) -> None:
+    record, _ = store.create(make_record({"instruction": "Crash me.", "gen_seconds": 0.5}))
+    # Three deliveries whose workers all died holding the job (each start under a new holder).
+    for holder in ("dead-1:11", "dead-2:22", "dead-3:33"):
+        store.start(record.id, holder)
+    assert store.get(record.id).kills == 2
+    worker = start_worker("w-crash")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    send(settings, record)
+    done = wait_terminal(store, record.id)
+    assert done.status == JobStatus.FAILED and done.kills == 3 and done.attempts == 4
+    assert done.error["code"] == "worker_crashed" and "died 3 times" in done.error["message"]
+    assert wavs(storage, settings) == []
+    assert broker_idle(redis_client)
+
+
+def test_cancel_while_running_stops_without_upload(start_worker, store, settings, storage, redis_client) -> None:
+    worker = start_worker("w-cancel", AUK_INSTANT_STEP_DELAY="0.05")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    job = submit(store, settings, num_inference_steps=200)
+    wait_for(store, job.id, lambda r: (r.progress or {}).get("step", 0) >= 2, 20, "step 2")
+    assert store.cancel(job.id, "another-owner") is None
+    assert store.cancel(job.id, OWNER).status == JobStatus.CANCELED
+    wait_for(store, job.id, lambda r: broker_idle(redis_client), 10, "the task to stop")
+    done = store.get(job.id)
+    assert done.status == JobStatus.CANCELED and done.progress["step"] < 200
+    assert wavs(storage, settings) == []
+    assert worker.heartbeat(redis_client)["state"] == "ready"
+
+
+def test_interactive_queue_drains_before_bulk(start_worker, store, settings, redis_client) -> None:
+    bulk = [submit(store, settings, gen_seconds=0.2, priority="bulk") for _ in range(3)]
+    interactive = submit(store, settings, gen_seconds=0.2)
+    worker = start_worker("w-order")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    records = [wait_terminal(store, r.id) for r in [*bulk, interactive]]
+    assert all(r.status == JobStatus.SUCCEEDED for r in records)
+    first = min(records, key=lambda r: r.started_at)
+    assert first.id == interactive.id
+
+
+def test_pipeline_load_failure_reports_failed_and_exits(start_worker, tmp_path, redis_client) -> None:
+    worker = start_worker("w-noload", ["--checkpoint", str(tmp_path / "no-such-checkpoint")], AUK_PIPELINE="auk")
+    assert worker.wait_exit(timeout=60) == 1
+    beat = worker.heartbeat(redis_client)
+    assert beat["state"] == "failed" and beat["pid"] == str(worker.pid)
+    assert beat["error"]  # the load error, for whoever reads the heartbeat
