@@ -1,0 +1,419 @@
+"""The DiT backbone: upstream key names and sizes, strict loading, the CFG rows, padding invariance, precision."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from auk_worker.errors import CheckpointError, InputError
+from auk_worker.model.dit import AuKDiT, DiTConfig
+
+TINY = DiTConfig(
+    dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
+)
+RELEASE_ARCH = {"dim": 1536, "heads": 24, "dim_head": 64, "ff_mult": 2.0, "text_hidden_dim": 2048,
+                "num_layers": 10, "num_single_layers": 20}
+RELEASE_DIT_NUMEL = 1_530_538_592  # auk-model.md section 10 (parameters plus the 32-entry inv_freq buffer)
+
+
+def expected_keys(num_layers: int, num_single_layers: int) -> set[str]:
+    """The upstream key list of auk-model.md 1.2, without the `transformer.` prefix."""
+    wb = ("weight", "bias")
+    keys = {f"time_embed.time_mlp.{i}.{p}" for i in (0, 2) for p in wb}
+    keys |= {f"txt_proj.{p}" for p in wb} | {"txt_norm.weight"}
+    keys |= {f"audio_embed.linear.{p}" for p in wb}
+    keys |= {f"audio_embed.conv_pos_embed.conv1d.{i}.{p}" for i in (0, 2) for p in wb}
+    keys |= {"rotary_embed.inv_freq"} | {f"norm_out.linear.{p}" for p in wb} | {f"proj_out.{p}" for p in wb}
+    for i in range(num_layers):
+        block = f"transformer_blocks.{i}"
+        for name in ("attn.to_qkv", "attn.to_qkv_c", "attn.to_out.0", "attn.to_out_c",
+                     "attn_norm_c.linear", "attn_norm_x.linear"):
+            keys |= {f"{block}.{name}.{p}" for p in wb}
+        keys |= {f"{block}.attn.{n}.weight" for n in ("q_norm", "k_norm", "c_q_norm", "c_k_norm")}
+        keys |= {f"{block}.{ff}.{lin}.weight" for ff in ("ff_c", "ff_x") for lin in ("linear_in", "linear_out")}
+    for i in range(num_single_layers):
+        block = f"single_transformer_blocks.{i}"
+        for name in ("attn.to_qkv", "attn.to_out.0", "attn_norm.linear"):
+            keys |= {f"{block}.{name}.{p}" for p in wb}
+        keys |= {f"{block}.attn.{n}.weight" for n in ("q_norm", "k_norm")}
+        keys |= {f"{block}.ff.{lin}.weight" for lin in ("linear_in", "linear_out")}
+    return keys
+
+
+def make_model(config: DiTConfig = TINY, seed: int = 0) -> AuKDiT:
+    torch.manual_seed(seed)
+    model = AuKDiT(config).eval()
+    with torch.no_grad():  # norms start at one: move them so a skipped or swapped norm weight shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> AuKDiT:
+    return make_model()
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- names, sizes, config --------------------------------------------------------------------------------------
+
+
+def test_state_dict_keys_are_the_upstream_names(model: AuKDiT) -> None:
+    assert set(model.state_dict()) == expected_keys(TINY.num_layers, TINY.num_single_layers)
+
+
+def test_release_size_on_meta_device() -> None:
+    config = DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)
+    with torch.device("meta"):
+        model = AuKDiT(config)
+    sd = model.state_dict()
+    assert set(sd) == expected_keys(10, 20)
+    assert sum(t.numel() for t in sd.values()) == RELEASE_DIT_NUMEL
+    assert sum(p.numel() for p in model.parameters()) == RELEASE_DIT_NUMEL - 32
+    assert sd["rotary_embed.inv_freq"].shape == (32,)
+    assert sd["transformer_blocks.0.attn.to_qkv.weight"].shape == (3 * 1536, 1536)
+    assert sd["single_transformer_blocks.0.ff.linear_in.weight"].shape == (2 * 3072, 1536)
+    assert sd["audio_embed.conv_pos_embed.conv1d.0.weight"].shape == (1536, 1536 // 16, 31)
+    # token-wise block linears (the FP8 set): every block Linear except the AdaLN modulation ones
+    token_wise = [
+        name for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and "transformer_blocks." in name and ".attn_norm" not in name
+    ]
+    assert len(token_wise) == 10 * 8 + 20 * 4 == 160
+
+
+def test_from_arch_reads_release_keys_and_ignores_training_ones() -> None:
+    arch = dict(RELEASE_ARCH, depth=8, dropout=0.1, checkpoint_activations=False, checkpoint_every_n_layers=1,
+                attn_backend="flash_attn", attn_mask_enabled=True)
+    config = DiTConfig.from_arch(arch, latent_dim=64)
+    assert (config.dim, config.heads, config.dim_head, config.ff_inner_dim) == (1536, 24, 64, 3072)
+    assert config.latent_dim == 64 and config.attn_mask_enabled is True
+    without_dim_head = {k: v for k, v in RELEASE_ARCH.items() if k != "dim_head"}
+    assert DiTConfig.from_arch(without_dim_head, latent_dim=64).dim_head == 64
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"rotary_base": 10000}, "rotary_base"),
+        ({"latent_dim": 64}, "latent_dim"),  # upstream passes latent_dim separately; in arch it is a clash
+        ({"heads": None}, "heads"),
+        ({"ff_mult": "2"}, "ff_mult"),
+        ({"attn_mask_enabled": 1}, "attn_mask_enabled"),
+    ],
+)
+def test_from_arch_rejects_bad_keys(change: dict, named: str) -> None:
+    arch = {k: v for k, v in dict(RELEASE_ARCH, **change).items() if v is not None}
+    with pytest.raises(CheckpointError, match=named):
+        DiTConfig.from_arch(arch, latent_dim=64)
+
+
+# ---- strict loading ----------------------------------------------------------------------------------------------
+
+
+def test_meta_build_loads_strictly_and_round_trips(model: AuKDiT) -> None:
+    sd = model.state_dict()
+    with torch.device("meta"):
+        loaded = AuKDiT(TINY)
+    loaded.load_state_dict(sd, strict=True, assign=True)
+    loaded.eval()
+    text, x = rand(1, 4, 32, seed=1), rand(1, 6, 64, seed=2)
+    with torch.no_grad():
+        want = model(x, 0.4, model.prepare(text, torch.tensor([4]), None, None, None, 6, cfg=False))
+        got = loaded(x, 0.4, loaded.prepare(text, torch.tensor([4]), None, None, None, 6, cfg=False))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
+def test_strict_load_refuses_a_mismatched_checkpoint(model: AuKDiT, fault: str) -> None:
+    sd = dict(model.state_dict())
+    if fault == "missing":
+        del sd["transformer_blocks.1.attn.c_k_norm.weight"]
+    elif fault == "unexpected":
+        sd["transformer_blocks.0.attn.to_out.1.weight"] = torch.zeros(1)
+    else:
+        sd["proj_out.weight"] = torch.zeros(32, 64)
+    with torch.device("meta"):
+        target = AuKDiT(TINY)
+    with pytest.raises(RuntimeError, match="c_k_norm|to_out.1|proj_out"):
+        target.load_state_dict(sd, strict=True, assign=True)
+
+
+def test_inv_freq_is_analytic_at_build_and_stays_fp32() -> None:
+    model = AuKDiT(TINY)
+    analytic = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    torch.testing.assert_close(model.rotary_embed.inv_freq.double(), analytic, rtol=1e-7, atol=0)
+    exact = model.rotary_embed.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.proj_out.weight.dtype == torch.bfloat16
+    assert model.rotary_embed.inv_freq.dtype == torch.float32
+    assert torch.equal(model.rotary_embed.inv_freq, exact)  # not rounded by the cast
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, strict=True, assign=True)
+    assert model.rotary_embed.inv_freq.dtype == torch.float32
+
+
+def test_the_stored_inv_freq_is_what_the_model_uses(model: AuKDiT) -> None:
+    stored = copy.deepcopy(model)
+    sd = stored.state_dict()
+    sd["rotary_embed.inv_freq"] = sd["rotary_embed.inv_freq"].to(torch.bfloat16).float()  # as the release stores it
+    assert not torch.equal(sd["rotary_embed.inv_freq"], model.rotary_embed.inv_freq)
+    stored.load_state_dict(sd, strict=True)
+    text, ref, x = rand(1, 6, 32, seed=3), rand(1, 10, 64, seed=4), rand(1, 20, 64, seed=5)
+    with torch.no_grad():
+        v_analytic = model(x, 0.5, model.prepare(text, torch.tensor([6]), ref, None, None, 20, cfg=False))
+        v_stored = stored(x, 0.5, stored.prepare(text, torch.tensor([6]), ref, None, None, 20, cfg=False))
+    assert (v_stored - v_analytic).abs().max() > 1e-5
+
+
+# ---- context: positions, masks, CFG rows -------------------------------------------------------------------------
+
+
+def test_single_unpadded_request_gets_plain_positions_and_no_masks(model: AuKDiT) -> None:
+    with torch.no_grad():
+        ctx = model.prepare(rand(1, 5, 32, seed=6), torch.tensor([5]), rand(1, 4, 64, seed=7), None, None, 7,
+                            cfg=False)
+    assert torch.equal(ctx.joint.rope_audio.positions, torch.arange(11)[None])
+    assert torch.equal(ctx.joint.rope_text.positions, torch.arange(5)[None])
+    assert torch.equal(ctx.single.rope.positions, torch.arange(16)[None])
+    assert ctx.joint.key_mask is None and ctx.single.key_mask is None and ctx.target_mask is None
+    assert ctx.joint.audio_keep is None and ctx.joint.text_keep is None and ctx.single.keep is None
+
+
+def test_masked_reference_frame_keeps_its_position_but_is_hidden(model: AuKDiT) -> None:
+    with torch.no_grad():
+        ctx = model.prepare(rand(1, 3, 32, seed=8), torch.tensor([3]), rand(1, 5, 64, seed=9),
+                            torch.tensor([5]), torch.tensor([4]), 6, cfg=False)
+    assert torch.equal(ctx.single.rope.positions, torch.arange(14)[None])  # plain arange, as upstream
+    hidden = ~ctx.single.key_mask[0, 0, 0]
+    assert hidden.nonzero().flatten().tolist() == [3 + 4]  # text 3, then the fifth ref frame
+    assert (~ctx.joint.key_mask[0, 0, 0]).nonzero().flatten().tolist() == [4]  # [audio | text] order
+    assert (~ctx.single.keep[0, :, 0]).nonzero().flatten().tolist() == [7]
+
+
+def test_padded_rows_get_the_positions_they_would_have_alone(model: AuKDiT) -> None:
+    with torch.no_grad():
+        ctx = model.prepare(rand(2, 4, 32, seed=10), torch.tensor([4, 2]), rand(2, 3, 64, seed=11),
+                            torch.tensor([3, 1]), None, 5, torch.tensor([5, 3]), cfg=False)
+    single = ctx.single.rope.positions[1]
+    present = torch.tensor([1, 1, 0, 0] + [1, 0, 0] + [1, 1, 1, 0, 0], dtype=torch.bool)
+    assert torch.equal(single[present], torch.arange(6))
+    assert torch.equal(ctx.joint.rope_audio.positions[1][present[4:]], torch.arange(4))
+
+
+def test_cfg_uncond_rows_zero_the_projected_text_and_embed_a_zero_reference(model: AuKDiT) -> None:
+    text = rand(2, 5, 32, seed=12)
+    ref = rand(2, 6, 64, seed=13)
+    text_lens, ref_lens, ref_valid = torch.tensor([5, 3]), torch.tensor([6, 4]), torch.tensor([5, 4])
+    with torch.no_grad():
+        ctx = model.prepare(text, text_lens, ref, ref_lens, ref_valid, 8, torch.tensor([8, 5]), cfg=True)
+        plain = model.prepare(text, text_lens, ref, ref_lens, ref_valid, 8, torch.tensor([8, 5]), cfg=False)
+        projected = model.txt_norm(model.txt_proj(text))
+    assert ctx.rows == 4 and ctx.batch == 2
+    assert torch.equal(ctx.text[:2], plain.text) and torch.equal(ctx.text[:2], projected)
+    assert torch.count_nonzero(ctx.text[2:]) == 0 and torch.count_nonzero(projected) > 0
+    # the text mask is unchanged on the uncond rows
+    assert torch.equal(ctx.joint.text_keep[2:], ctx.joint.text_keep[:2])
+    assert torch.equal(ctx.single.key_mask[2:], ctx.single.key_mask[:2])
+    # cond rows embed the reference; uncond rows embed zero latents at the valid frames
+    assert torch.equal(ctx.ref[:2], plain.ref)
+    with torch.no_grad():
+        for row, valid in enumerate(ref_valid.tolist()):
+            alone = model.audio_embed(ref[row : row + 1, :valid], None)
+            zero = model.audio_embed(torch.zeros(1, valid, 64), None)
+            torch.testing.assert_close(ctx.ref[row, :valid], alone[0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(ctx.ref[2 + row, :valid], zero[0], rtol=0, atol=1e-6)
+
+
+def test_uncond_rows_ignore_text_and_reference_while_cond_rows_match_a_plain_pass(model: AuKDiT) -> None:
+    x, t = rand(1, 6, 64, seed=14), torch.tensor(0.6)
+
+    def run(text_seed: int, ref_seed: int, cfg: bool) -> torch.Tensor:
+        with torch.no_grad():
+            ctx = model.prepare(rand(1, 4, 32, seed=text_seed), torch.tensor([4]), rand(1, 3, 64, seed=ref_seed),
+                                None, None, 6, cfg=cfg)
+            return model(x, t, ctx)
+
+    first, second = run(15, 16, True), run(17, 18, True)
+    assert first.shape == (2, 6, 64)
+    torch.testing.assert_close(first[1], second[1], rtol=0, atol=1e-6)  # uncond: independent of the condition
+    assert (first[0] - second[0]).abs().max() > 1e-3
+    torch.testing.assert_close(first[:1], run(15, 16, False), rtol=0, atol=1e-6)
+
+
+# ---- padding invariance ------------------------------------------------------------------------------------------
+
+
+ROWS = [  # (text tokens, ref frames with a position, visible ref frames, target frames, t)
+    dict(nt=5, np=6, valid=5, n=9, t=0.3),
+    dict(nt=3, np=4, valid=4, n=6, t=0.7),
+]
+
+
+@pytest.mark.parametrize("cfg", [False, True])
+@pytest.mark.parametrize("with_ref", [True, False])
+@pytest.mark.parametrize("mask_enabled", [True, False])
+def test_padded_batch_matches_each_row_alone(cfg: bool, with_ref: bool, mask_enabled: bool) -> None:
+    model = make_model(DiTConfig(**{**TINY.__dict__, "attn_mask_enabled": mask_enabled}), seed=1)
+    nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
+    # padding is filled with large garbage: any leak shows
+    text = 50 * rand(2, nt, 32, seed=20)
+    ref = 50 * rand(2, np_, 64, seed=21)
+    x = 50 * rand(2, n, 64, seed=22)
+    for i, r in enumerate(ROWS):
+        text[i, : r["nt"]] = rand(r["nt"], 32, seed=30 + i)
+        ref[i, : r["np"]] = rand(r["np"], 64, seed=40 + i)
+        x[i, : r["n"]] = rand(r["n"], 64, seed=50 + i)
+    lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
+    with torch.no_grad():
+        ctx = model.prepare(text, lens["nt"], ref if with_ref else None, lens["np"] if with_ref else None,
+                            lens["valid"] if with_ref else None, n, lens["n"], cfg=cfg)
+        batched = model(x, torch.tensor([r["t"] for r in ROWS]), ctx)
+        for i, r in enumerate(ROWS):
+            alone_ctx = model.prepare(
+                text[i : i + 1, : r["nt"]], torch.tensor([r["nt"]]),
+                ref[i : i + 1, : r["np"]] if with_ref else None, None,
+                torch.tensor([r["valid"]]) if with_ref else None, r["n"], cfg=cfg,
+            )
+            alone = model(x[i : i + 1, : r["n"]], torch.tensor(r["t"]), alone_ctx)
+            torch.testing.assert_close(batched[i, : r["n"]], alone[0], rtol=0, atol=1e-5)
+            if cfg:
+                torch.testing.assert_close(batched[2 + i, : r["n"]], alone[1], rtol=0, atol=1e-5)
+
+
+def test_prepare_rejects_inconsistent_lengths(model: AuKDiT) -> None:
+    text, ref = rand(2, 4, 32, seed=60), rand(2, 3, 64, seed=61)
+    with pytest.raises(InputError, match="text_lens"):
+        model.prepare(text, torch.tensor([4, 5]), None, None, None, 3, cfg=False)
+    with pytest.raises(InputError, match="ref_valid_lens"):
+        model.prepare(text, torch.tensor([4, 4]), ref, torch.tensor([2, 3]), torch.tensor([3, 3]), 3, cfg=False)
+    with pytest.raises(InputError, match="target_lens"):
+        model.prepare(text, torch.tensor([4, 4]), None, None, None, 3, torch.tensor([0, 3]), cfg=False)
+    ctx = model.prepare(text, torch.tensor([4, 4]), None, None, None, 3, cfg=True)
+    with pytest.raises(InputError, match="x must be"):
+        model(rand(4, 3, 64, seed=62), 0.5, ctx)  # the ODE state is not doubled for CFG
+
+
+# ---- precision ---------------------------------------------------------------------------------------------------
+
+
+def test_bf16_weights_run_without_autocast_and_track_fp32(model: AuKDiT) -> None:
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    text, ref, x = rand(1, 6, 32, seed=70), rand(1, 5, 64, seed=71), rand(1, 12, 64, seed=72)
+    with torch.no_grad():
+        full = model(x, 0.25, model.prepare(text, torch.tensor([6]), ref, None, None, 12, cfg=True))
+        ctx = half.prepare(text, torch.tensor([6]), ref, None, None, 12, cfg=True)
+        assert ctx.single.rope.cos.dtype == torch.float32 and ctx.text.dtype == torch.bfloat16
+        low = half(x, 0.25, ctx)
+    assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
+    cosine = torch.nn.functional.cosine_similarity(low.float().flatten(), full.flatten(), dim=0)
+    assert cosine > 0.99
+
+
+# ---- an independent functional reading of auk-model.md section 3 -------------------------------------------------
+
+
+def reference_velocity(sd: dict, config: DiTConfig, text, ref, x, t: float, uncond: bool = False) -> torch.Tensor:
+    """One unpadded request written straight from the spec: rotary as complex multiplication, attention as an
+    explicit softmax, norms by hand. Slow and plain on purpose."""
+    h, dh, d = config.heads, config.dim_head, config.dim
+    F = torch.nn.functional
+
+    def lin(name, v):
+        out = v @ sd[f"{name}.weight"].T
+        return out + sd[f"{name}.bias"] if f"{name}.bias" in sd else out
+
+    def rms(v, w):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps) * w
+
+    def layer_norm(v):
+        mean, var = v.mean(-1, keepdim=True), v.var(-1, unbiased=False, keepdim=True)
+        return (v - mean) / torch.sqrt(var + 1e-6)
+
+    def rope(v):  # v [h, m, dh]; pair (a, b) is the complex number a + ib, turned by pos * inv_freq
+        m = v.shape[1]
+        angle = torch.arange(m, dtype=torch.float64)[:, None] * sd["rotary_embed.inv_freq"].double()[None]
+        turned = torch.view_as_complex(v.double().reshape(h, m, dh // 2, 2).contiguous()) * torch.polar(
+            torch.ones_like(angle), angle)
+        return torch.view_as_real(turned).reshape(h, m, dh).float()
+
+    def heads(v):
+        return v.reshape(v.shape[0], h, dh).transpose(0, 1)  # [m, h*dh] -> [h, m, dh]
+
+    def attend(q, k, v):
+        weights = torch.softmax(q @ k.transpose(-1, -2) / dh**0.5, dim=-1)
+        return (weights @ v).transpose(0, 1).reshape(q.shape[1], h * dh)
+
+    def embed(z):
+        e = lin("audio_embed.linear", z)
+        conv = e.T[None]
+        for i in (0, 2):
+            w = sd[f"audio_embed.conv_pos_embed.conv1d.{i}.weight"]
+            conv = F.conv1d(conv, w, sd[f"audio_embed.conv_pos_embed.conv1d.{i}.bias"], padding=15, groups=16)
+            conv = conv * torch.tanh(F.softplus(conv))
+        return conv[0].T + e
+
+    def swiglu(name, v):
+        gate, up = lin(f"{name}.linear_in", v).chunk(2, dim=-1)
+        return lin(f"{name}.linear_out", gate * torch.sigmoid(gate) * up)
+
+    half = 128
+    angles = 1000 * t * torch.exp(-torch.arange(half, dtype=torch.float64) * torch.log(torch.tensor(1e4)) / (half - 1))
+    wave = torch.cat((angles.sin(), angles.cos())).float()
+    temb = lin("time_embed.time_mlp.2", F.silu(lin("time_embed.time_mlp.0", wave)))
+    act = F.silu(temb)
+
+    c = rms(lin("txt_proj", text), sd["txt_norm.weight"])
+    if uncond:
+        c, ref = torch.zeros_like(c), torch.zeros_like(ref)
+    a = torch.cat((embed(ref), embed(x)))
+    for i in range(config.num_layers):
+        p = f"transformer_blocks.{i}"
+        mx = lin(f"{p}.attn_norm_x.linear", act).split(d)  # shift, scale, gate, shift_ff, scale_ff, gate_ff
+        mc = lin(f"{p}.attn_norm_c.linear", act).split(d)
+        qa, ka, va = lin(f"{p}.attn.to_qkv", layer_norm(a) * (1 + mx[1]) + mx[0]).split(h * dh, dim=-1)
+        qc, kc, vc = lin(f"{p}.attn.to_qkv_c", layer_norm(c) * (1 + mc[1]) + mc[0]).split(h * dh, dim=-1)
+        qa, ka = (rope(rms(heads(v), sd[f"{p}.attn.{n}.weight"])) for v, n in ((qa, "q_norm"), (ka, "k_norm")))
+        qc, kc = (rope(rms(heads(v), sd[f"{p}.attn.{n}.weight"])) for v, n in ((qc, "c_q_norm"), (kc, "c_k_norm")))
+        out = attend(torch.cat((qa, qc), 1), torch.cat((ka, kc), 1), torch.cat((heads(va), heads(vc)), 1))
+        a = a + mx[2] * lin(f"{p}.attn.to_out.0", out[: a.shape[0]])
+        c = c + mc[2] * lin(f"{p}.attn.to_out_c", out[a.shape[0]:])
+        a = a + mx[5] * swiglu(f"{p}.ff_x", layer_norm(a) * (1 + mx[4]) + mx[3])
+        c = c + mc[5] * swiglu(f"{p}.ff_c", layer_norm(c) * (1 + mc[4]) + mc[3])
+    s = torch.cat((c, a))
+    for i in range(config.num_single_layers):
+        p = f"single_transformer_blocks.{i}"
+        m = lin(f"{p}.attn_norm.linear", act).split(d)
+        q, k, v = lin(f"{p}.attn.to_qkv", layer_norm(s) * (1 + m[1]) + m[0]).split(h * dh, dim=-1)
+        q, k = rope(rms(heads(q), sd[f"{p}.attn.q_norm.weight"])), rope(rms(heads(k), sd[f"{p}.attn.k_norm.weight"]))
+        s = s + m[2] * lin(f"{p}.attn.to_out.0", attend(q, k, heads(v)))
+        s = s + m[5] * swiglu(f"{p}.ff", layer_norm(s) * (1 + m[4]) + m[3])
+    scale, shift = lin("norm_out.linear", act).split(d)
+    return lin("proj_out", layer_norm(s[-x.shape[0]:]) * (1 + scale) + shift)
+
+
+def test_forward_matches_a_plain_reading_of_the_spec() -> None:
+    model = make_model(seed=3)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["rotary_embed.inv_freq"] = sd["rotary_embed.inv_freq"].to(torch.bfloat16).float()
+    model.load_state_dict(sd, strict=True)
+    text, ref, x = rand(1, 5, 32, seed=80), rand(1, 4, 64, seed=81), rand(1, 7, 64, seed=82)
+    with torch.no_grad():
+        v = model(x, 0.35, model.prepare(text, torch.tensor([5]), ref, None, None, 7, cfg=True))
+        cond = reference_velocity(sd, TINY, text[0], ref[0], x[0], 0.35)
+        uncond = reference_velocity(sd, TINY, text[0], ref[0], x[0], 0.35, uncond=True)
+    torch.testing.assert_close(v[0], cond, rtol=0, atol=2e-5)
+    torch.testing.assert_close(v[1], uncond, rtol=0, atol=2e-5)
+
+
+def test_rms_norms_use_torch_default_eps(model: AuKDiT) -> None:
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert len(norms) == 1 + 4 * TINY.num_layers + 2 * TINY.num_single_layers
+    assert all(m.eps is None for m in norms)  # resolves to float32 eps, not 1e-6
