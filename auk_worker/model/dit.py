@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +228,7 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, dim_head, 2, dtype=torch.float32) / dim_head
         self.register_buffer("inv_freq", 1.0 / (ROTARY_BASE**exponents), persistent=True)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001  (nn.Module signature)
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
         # Follow device moves but never round the frequencies: `.to(bfloat16)` would otherwise cast the buffer.
         before = self.inv_freq
         super()._apply(fn, recurse)
@@ -237,7 +237,7 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = source.to(device=self.inv_freq.device, dtype=torch.float32)
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+    def _load_from_state_dict(self, state_dict: dict[str, Tensor], prefix: str, *args: Any, **kwargs: Any) -> None:
         key = prefix + "inv_freq"
         if key in state_dict:  # a checkpoint cast wholesale to bf16 still loads its frequencies as fp32
             state_dict[key] = state_dict[key].to(torch.float32)
