@@ -7,7 +7,8 @@ Reliability settings, each for a reason:
 - ``task_reject_on_worker_lost``: a job whose process died is requeued rather than acknowledged.
 - ``visibility_timeout`` (``AUK_VISIBILITY_TIMEOUT``): with the Redis broker, a job delivered but never
   acknowledged (its worker was SIGKILLed, the machine lost power) is redelivered after this many seconds. It must
-  exceed the longest job, or a job still rendering is handed to a second worker as well.
+  exceed the longest job, or a job still rendering is handed to a second worker as well. Every worker sweeps
+  for expired deliveries every ``restore_interval`` seconds.
 - ``queue_order_strategy=priority``: a worker polls its queues in the order given, so ``interactive`` drains
   before ``bulk``.
 - Results are ignored: the job record in Redis is the result.
@@ -34,6 +35,10 @@ def worker_queues(variant: str) -> list[str]:
     return [queue_name(variant, priority) for priority in PRIORITIES]
 
 
+def restore_interval(visibility_timeout: int) -> int:
+    return max(1, min(60, visibility_timeout // 3))
+
+
 def make_celery(settings: Settings) -> Celery:
     app = Celery("auk", broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
     app.conf.update(
@@ -47,6 +52,10 @@ def make_celery(settings: Settings) -> Celery:
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout,
             "queue_order_strategy": "priority",
+            # How often a worker sweeps for deliveries older than the visibility timeout (kombu's default
+            # sweep is every 10 s x 10 calls); a third of the timeout, at most a minute, bounds the extra wait.
+            "unacked_restore_interval": restore_interval(settings.visibility_timeout),
+            "unacked_restore_throttle": 1,
         },
         broker_connection_retry_on_startup=True,
         task_default_queue=queue_name(settings.variant or "base", "interactive"),

@@ -229,7 +229,7 @@ def test_bad_input_fails_at_once_and_worker_goes_on(start_worker, store, setting
     not_audio = f"{settings.s3_prefix}inputs/notes.txt"
     storage.put_bytes(not_audio, b"this is a shopping list, not a recording\n" * 20, "text/plain")
 
-    bad = submit(store, settings, audio={"key": not_audio}, gen_seconds=None)
+    bad = submit(store, settings, audio={"key": not_audio}, gen_seconds=0.5)
     missing = submit(store, settings, audio={"key": f"{settings.s3_prefix}inputs/absent.wav"})
     good = submit(store, settings, gen_seconds=0.3)
 
