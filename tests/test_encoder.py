@@ -149,8 +149,10 @@ def test_matches_the_transformers_processor(processor, snapshot, monkeypatch):
     from transformers import AutoTokenizer, Qwen2_5OmniProcessor, WhisperFeatureExtractor
     from transformers.processing_utils import ProcessorMixin
 
-    class NoVision:
+    class NoVision:  # stands in for the image/video processors; only their merge sizes are read
         model_input_names: list[str] = []
+        merge_size = 2
+        temporal_patch_size = 2
 
     # Without torchvision/Pillow the image and video processors cannot be built; the processor's class check is
     # bypassed so that its text and audio path (the part AuK uses) can still be compared.

@@ -268,10 +268,14 @@ class ThinkerTrunk(nn.Module):
     def rebuild_computed_buffers(self, device: torch.device) -> None:
         """Recreate the parameter-free modules whose buffers are computed at init rather than stored in the
         checkpoint (rotary inverse frequencies, the audio tower's sinusoids), e.g. after building on meta."""
-        rotary = self.model.rotary_emb
-        self.model.rotary_emb = type(rotary)(config=self.model.config).to(device)
-        positions = self.audio_tower.positional_embedding
-        self.audio_tower.positional_embedding = type(positions)(positions.length, positions.channels).to(device)
+        rotary = type(self.model.rotary_emb)
+        for parent in list(self.modules()):  # transformers 4.x also gives each attention layer its own copy
+            for name, child in list(parent.named_children()):
+                if isinstance(child, rotary):
+                    setattr(parent, name, rotary(config=child.config).to(device))
+        sinusoids = type(self.audio_tower.positional_embedding)
+        audio = self.audio_tower.config
+        self.audio_tower.positional_embedding = sinusoids(audio.max_source_positions, audio.d_model).to(device)
 
     def embed_audio(self, input_features: Tensor, feature_attention_mask: Tensor) -> Tensor:
         """Audio tower over the valid frames of each clip: [b, m, f] -> [na, d]."""
