@@ -29,10 +29,13 @@ TINY_LAYERS = 4
 TINY_HIDDEN = 64
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    """Everything below reads the tiny snapshot from disk; any attempt to reach the Hub fails."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("TRANSFORMERS_OFFLINE", "1")
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,8 @@ class PromptProcessor:
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
         self.audio_token_id = audio_token_id
-        self.reserved_tokens = tuple(tokenizer.get_added_vocab())
+        # Chat markers and multimodal placeholders: inside an instruction they would change the prompt's layout.
+        self.reserved_tokens = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
 
     @classmethod
     def from_pretrained(cls, qwen_dir: Path) -> PromptProcessor:
@@ -206,7 +207,8 @@ class PromptProcessor:
                 extractor.n_samples / SAMPLE_RATE,
             )
         # n_fft samples of silence past the clip cover every window that touches it (see the class docstring).
-        padded = min(extractor.n_samples, -(-(audio.size + extractor.n_fft) // extractor.hop_length) * extractor.hop_length)
+        hops = -(-(audio.size + extractor.n_fft) // extractor.hop_length)  # ceil
+        padded = min(extractor.n_samples, hops * extractor.hop_length)
         out = extractor(
             audio,
             sampling_rate=SAMPLE_RATE,
@@ -429,7 +431,9 @@ class ThinkerEncoder:
             raise CheckpointError(f"layer_scale has shape {tuple(layer_scale.shape)}, expected one value")
         processor = PromptProcessor.from_pretrained(qwen_dir)
         trunk = load_thinker_trunk(qwen_dir, torch.device(device), dtype)
-        logger.info("thinker %s: %d layers, hidden %d, %s on %s", qwen_dir, spec.num_layers, spec.hidden_size, dtype, device)
+        logger.info(
+            "thinker %s: %d layers, hidden %d, %s on %s", qwen_dir, spec.num_layers, spec.hidden_size, dtype, device
+        )
         return cls(processor, trunk, layer_weights, layer_scale)
 
     @torch.inference_mode()

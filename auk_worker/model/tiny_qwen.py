@@ -202,10 +202,8 @@ def write_tokenizer(out_dir: Path, vocab: dict[str, int], specials: dict[str, in
     (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     merges = "#version: 0.2\n" + "".join(f"{left} {right}\n" for left, right in MERGES)
     (out_dir / "merges.txt").write_text(merges)
-    added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-        for t, i in specials.items()
-    }
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    added = {str(i): {"content": t, **flags} for t, i in specials.items()}
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_bos_token": False,
