@@ -67,7 +67,8 @@ def test_config_round_trips_through_the_release_mapping():
     assert section["model_init_kwargs"]["downsample_channels"] == [12, 12, 12, 12, 16, 16, 16]
     section["model_init_kwargs"]["latent_dim"] = "${model.vae.latent_dim}"  # as the YAML writes it
     assert VAEConfig.from_release(section) == TINY
-    assert VAEConfig.from_release({"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}) == VAEConfig()
+    bare = {"latent_dim": 64, "downsample_rate": 480, "target_sample_rate": 24000}
+    assert VAEConfig.from_release(bare) == VAEConfig()  # absent model_init_kwargs take the released values
 
 
 @pytest.mark.parametrize(
@@ -83,15 +84,23 @@ def test_config_rejects_bad_geometry_naming_the_field(field: str, value: list[in
     section["model_init_kwargs"][field] = value
     with pytest.raises(CheckpointError, match=field):
         VAEConfig.from_release(section)
+
+
+def test_config_rejects_other_rates_and_latent_mismatch():
     with pytest.raises(CheckpointError, match="target_sample_rate"):
         VAEConfig.from_release({**VAEConfig().to_release(), "target_sample_rate": 16000})
+    with pytest.raises(CheckpointError, match="downsample_rate"):
+        VAEConfig.from_release({**VAEConfig().to_release(), "downsample_rate": 320})
+    with pytest.raises(CheckpointError, match="latent_dim"):
+        VAEConfig.from_release({**VAEConfig().to_release(), "latent_dim": 32})
 
 
 def test_release_size_parameter_count():
     """146.9 M parameters without the flow (counted in the checkpoint layout, g and v)."""
     with torch.device("meta"):
         model = AuKVAE(VAEConfig())
-    count = sum(t.numel() for k, t in model.release_state_dict().items() if k.endswith(("weight_g", "weight_v", "bias", "alpha", "beta")))
+    weights = {k: t for k, t in model.release_state_dict().items() if not k.endswith(".filter")}
+    count = sum(t.numel() for k, t in weights.items() if k not in ("global_mean", "global_log_std"))
     assert abs(count - 146.9e6) / 146.9e6 < 1e-3
 
 
