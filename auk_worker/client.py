@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "canceled")
+RESOURCE = {"job": "/v1/jobs", "batch": "/v1/batches"}
 PAGE = 200
 
 
@@ -60,12 +61,10 @@ class Api:
 
     def job_or_batch(self, ident: str) -> tuple[str, dict]:
         """``("job", record)`` or ``("batch", record)`` for an id; ClientError when it is neither."""
-        job = self.request("GET", f"/v1/jobs/{ident}", missing_ok=True)
-        if job is not None:
-            return "job", job
-        batch = self.request("GET", f"/v1/batches/{ident}", missing_ok=True)
-        if batch is not None:
-            return "batch", batch
+        for kind, path in RESOURCE.items():
+            record = self.request("GET", f"{path}/{ident}", missing_ok=True)
+            if record is not None:
+                return kind, record
         raise ClientError(f"no job or batch {ident!r} for this API key")
 
     def batch_jobs(self, batch_id: str) -> list[dict]:
@@ -209,7 +208,7 @@ def _wait(api: Api, argv: Sequence[str]) -> int:
                 print(f"\n{kind} {args.id}: still {label} after {args.timeout:g} s", file=sys.stderr)
                 return 2
             time.sleep(args.interval)
-            record = api.request("GET", f"/v1/{kind}s/{args.id}")
+            record = api.request("GET", f"{RESOURCE[kind]}/{args.id}")
     finally:
         bar.close()
     _print_json(record)
