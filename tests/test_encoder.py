@@ -251,6 +251,16 @@ def _rewrite_weights(path: Path, edit) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def test_load_skips_stored_copies_of_computed_buffers(encoder, snapshot, fusion, tmp_path):
+    stored = copy_snapshot(snapshot, tmp_path / "stored_sinusoids")
+    key = "thinker.audio_tower.positional_embedding.positional_embedding"
+    _rewrite_weights(stored, lambda t: t.update({key: torch.zeros(1500, 32)}))
+    loaded = ThinkerEncoder.load(stored, *fusion, device="cpu", dtype=torch.float32)
+    sinusoids = loaded.trunk.audio_tower.positional_embedding.positional_embedding
+    assert torch.equal(sinusoids, encoder.trunk.audio_tower.positional_embedding.positional_embedding)
+    assert sinusoids.abs().sum() > 0
+
+
 def test_load_refuses_a_missing_key(snapshot, fusion, tmp_path):
     broken = copy_snapshot(snapshot, tmp_path / "missing")
     _rewrite_weights(broken, lambda t: t.pop("thinker.model.layers.2.mlp.down_proj.weight"))

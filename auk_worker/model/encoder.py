@@ -346,14 +346,16 @@ def _trunk_key(snapshot_key: str, full_snapshot: bool) -> str | None:
 
 
 def _read_trunk_weights(
-    qwen_dir: Path, expected: dict[str, Tensor], device: torch.device, dtype: torch.dtype
+    qwen_dir: Path, expected: dict[str, Tensor], computed: set[str], device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield (trunk key, tensor on device) for every thinker key, checking names and shapes strictly."""
     full_snapshot = _is_full_omni_snapshot(qwen_dir)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for snapshot_key, path in _snapshot_tensor_files(qwen_dir).items():
         key = _trunk_key(snapshot_key, full_snapshot)
-        if key is None:
+        # A stored copy of a computed buffer (an export that kept the sinusoids, say) is skipped: transformers
+        # also recomputes these at init and ignores the copy.
+        if key is None or key in computed:
             continue
         if key not in expected:
             raise CheckpointError(f"unexpected key {snapshot_key!r} in the Qwen snapshot")
@@ -382,7 +384,8 @@ def load_thinker_trunk(qwen_dir: Path, device: torch.device, dtype: torch.dtype)
     with torch.device("meta"):
         trunk = ThinkerTrunk(config)
     expected = trunk.state_dict()
-    state = dict(_read_trunk_weights(qwen_dir, expected, device, dtype))
+    computed = {name for name, _ in trunk.named_buffers()} - set(expected)  # non-persistent buffers
+    state = dict(_read_trunk_weights(qwen_dir, expected, computed, device, dtype))
     trunk.load_state_dict(state, strict=True, assign=True)
     trunk.rebuild_computed_buffers(device)
     still_meta = [name for name, t in [*trunk.named_parameters(), *trunk.named_buffers()] if t.is_meta]
