@@ -171,15 +171,15 @@ class PromptProcessor:
         qwen_dir = Path(qwen_dir)
         if not (qwen_dir / "preprocessor_config.json").is_file():
             raise CheckpointError(f"Qwen snapshot {qwen_dir} has no preprocessor_config.json")
-        config = read_thinker_config(qwen_dir)
+        spec = ThinkerSpec.from_config(read_thinker_config(qwen_dir))
         tokenizer = AutoTokenizer.from_pretrained(qwen_dir, local_files_only=True)
         feature_extractor = WhisperFeatureExtractor.from_pretrained(qwen_dir, local_files_only=True)
-        if feature_extractor.feature_size != config.audio_config.num_mel_bins:
+        if feature_extractor.feature_size != spec.num_mel_bins:
             raise CheckpointError(
                 f"feature extractor makes {feature_extractor.feature_size} mel bins, "
-                f"the audio tower takes {config.audio_config.num_mel_bins}"
+                f"the audio tower takes {spec.num_mel_bins}"
             )
-        return cls(tokenizer, feature_extractor, config.audio_token_index)
+        return cls(tokenizer, feature_extractor, spec.audio_token_id)
 
     def __call__(self, instruction: str, audio_16k: np.ndarray | None) -> dict[str, Tensor]:
         for token in self.reserved_tokens:
