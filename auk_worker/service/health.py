@@ -50,6 +50,7 @@ class Heartbeat:
         self._fields: dict[str, str] = {"state": "starting", "variant": variant, "job_id": "", "error": "",
                                         "pid": str(os.getpid()), "hostname": hostname}  # fmt: skip
         self._lock = threading.Lock()
+        self._wake = threading.Event()  # a state change: write now, off the caller's thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -64,23 +65,31 @@ class Heartbeat:
         return self
 
     def set(self, state: str, job_id: str | None = None, error: str | None = None) -> None:
+        """Change the state; the heartbeat thread writes it at once (the render path never waits on Redis)."""
         if state not in STATES:
             raise ValueError(f"unknown worker state {state!r}")
         with self._lock:
             self._fields.update(state=state, job_id=job_id or "", error=error or "")
-        self._write()
+        if self._thread is None:
+            self._write()
+        else:
+            self._wake.set()
 
     def set_variant(self, variant: str) -> None:
         with self._lock:
             self._fields["variant"] = variant
-        self._write()
+        self._wake.set()
 
     def stop(self, remove: bool = True) -> None:
         """Stop the thread; remove the key unless the last state should stay visible (``failed``)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 1)
-        if remove:
+            self._thread = None
+        if not remove:
+            self._write()
+        else:
             try:
                 self.client.delete(self.key)
                 self.client.srem(self.index, self.hostname)
@@ -88,8 +97,11 @@ class Heartbeat:
                 log.warning("worker %s: could not remove heartbeat: %s", self.hostname, exc)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._write()
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self._write()
 
     def _write(self) -> None:
         with self._lock:

@@ -46,6 +46,7 @@ from auk_worker.wav import write_wav
 log = logging.getLogger(__name__)
 
 _REQUEST_FIELDS = frozenset(JobRequest.model_fields)
+PROGRESS_INTERVAL_S = 0.05  # a cancel is seen within this long (or one step, if steps are slower)
 
 
 class Pipeline(Protocol):
@@ -98,13 +99,19 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
         seed=request.seed,
     )
 
+    last_write = 0.0
+
     def on_step(step: int, total: int) -> None:
+        # Progress (and the cancel check riding on it) at most every PROGRESS_INTERVAL_S, plus the last step.
+        nonlocal last_write
+        now = time.monotonic()
+        if step < total and now - last_write < PROGRESS_INTERVAL_S:
+            return
+        last_write = now
         if rt.store.set_progress(job_id, step, total) == JobStatus.CANCELED:
             raise Canceled(f"job {job_id} was canceled at step {step} of {total}")
 
-    result = rt.pipeline.render(render_request, on_step=on_step)
-    if rt.store.is_canceled(job_id):
-        raise Canceled(f"job {job_id} was canceled before its upload")
+    result = rt.pipeline.render(render_request, on_step=on_step)  # the last step always checks for a cancel
 
     key = result_key(rt.settings.s3_prefix, job_id)
     rt.storage.put_wav(key, write_wav(result.waveform, result.sample_rate, request.output_format),
