@@ -98,8 +98,12 @@ def _body(code: str, message: str, details: Any = None) -> dict:
     return {"error": error}
 
 
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=exc.headers)
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
 
 
 _NOT_OBJECT = {"model_attributes_type", "dict_type", "model_type"}
@@ -112,8 +116,11 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
         ctx = bad_json[0].get("ctx") or {}
         reason = ctx.get("error") or bad_json[0].get("msg", "")
         return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
-    not_object = [e for e in errors if tuple(e.get("loc", ())) == ("body",) and e.get("type") in _NOT_OBJECT]
-    if not_object:
+    whole_body = [e.get("type") for e in errors if tuple(e.get("loc", ())) == ("body",)]
+    if "missing" in whole_body:
+        message = "the request body is empty: send a JSON object with Content-Type: application/json"
+        return JSONResponse(_body("malformed_json", message), status_code=400)
+    if _NOT_OBJECT & set(whole_body):
         message = "the request body must be a JSON object sent with Content-Type: application/json"
         return JSONResponse(_body("malformed_json", message), status_code=400)
     described = describe_validation_errors(errors, skip=("body", "query", "path", "header"))

@@ -272,10 +272,15 @@ def _fetch(api: Api, argv: Sequence[str]) -> int:
         if record["status"] != "done":
             print(f"batch {args.id} is still running; fetching the jobs that have finished", file=sys.stderr)
         written = 0
+        names: set[str] = set()
         for job in api.batch_jobs(args.id):
             if job["status"] != "succeeded":
                 continue
-            dest = args.out / f"{_safe_name(job.get('custom_id') or job['id'])}.wav"
+            name = _safe_name(job.get("custom_id") or job["id"])
+            if name in names:  # two custom_ids that differ only in characters a file name cannot hold
+                name = f"{name}-{job['id']}"
+            names.add(name)
+            dest = args.out / f"{name}.wav"
             _download(plain, job["result"]["url"], dest)
             written += 1
         manifest = record.get("manifest")

@@ -144,6 +144,14 @@ def test_api_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_api_refuses_to_start_without_keys(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}
+    env.update({"PYTHONPATH": str(REPO), "AUK_S3_ENDPOINT": "http://127.0.0.1:9", "AUK_S3_ACCESS_KEY": "a",
+                "AUK_S3_SECRET_KEY": "b", "AUK_API_PORT": str(free_port())})  # fmt: skip
+    out = subprocess.run([sys.executable, "-m", "api"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "AUK_API_KEYS" in out.stderr
+
+
 def test_health_readiness_and_docs(service: Service) -> None:
     with service.client(None) as http:
         assert http.get("/healthz").json() == {"status": "ok"}
@@ -291,6 +299,8 @@ def test_listing_is_newest_first_and_paginated(service: Service) -> None:
 BAD_JOBS = [
     # (body as raw bytes or JSON, content type, status, words the message must contain)
     (b'{"instruction": "x", "gen_seconds": ', "application/json", 400, ["not valid JSON"]),
+    (b'["instruction"]', "application/json", 400, ["JSON object"]),
+    (b"", "application/json", 400, ["empty"]),
     ({"instruction": "x", "gen_seconds": 2, "temperature": 0.7}, None, 422, ["temperature", "unknown field"]),
     ({"gen_seconds": 2}, None, 422, ["instruction", "required"]),
     ({"instruction": "x"}, None, 422, ["gen_seconds is required"]),
