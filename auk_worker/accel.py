@@ -1,0 +1,180 @@
+"""The GPU fast path: DiT steps replayed from per-shape CUDA graphs, VAE decodes replayed from per-length graphs.
+
+Nothing here changes what is computed; it changes how the kernels are launched:
+
+- ``StepGraphs`` captures one whole guided Euler step (DiT forward over the cond and uncond rows, the CFG
+  combine, the fp32 state update) as a CUDA graph per shape (rows, target, text, reference, which masks exist).
+  The time grid, the step index and the guidance scale live in device buffers that the graph reads, and the
+  step index advances inside the graph, so one graph serves every step and every schedule: a render copies its
+  context in once and replays the graph ``num_steps`` times. At most ``max_dit_graphs`` are kept; a full cache
+  is retired whole before a new capture (the deploy config's rule).
+- The repeated blocks are compiled (regional ``torch.compile``) before capture when ``compile_blocks`` is set, so
+  the graph replays fused kernels.
+- ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
+  buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket.
+
+Eager and graph paths use the same modules and the same fp32 state arithmetic; the remaining difference comes
+from compiled kernels (fused reductions round differently) and is measured by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from auk_worker.model.dit import AuKDiT, DiTContext
+from auk_worker.model.sampling import MAX_STEPS, cfg_combine
+from auk_worker.model.vae import AuKVAE
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, int], None]
+
+
+def _leaves(obj: object) -> Iterator[Tensor | None]:
+    """Every tensor (or None) of a nested dataclass, in field order."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value)
+        elif isinstance(value, Tensor) or value is None:
+            yield value
+
+
+def _signature(ctx: DiTContext) -> tuple:
+    """What a captured graph depends on: the shape and dtype of every context tensor (None where absent)."""
+    return (ctx.cfg, ctx.target_len) + tuple(
+        None if t is None else (tuple(t.shape), t.dtype) for t in _leaves(ctx)
+    )
+
+
+class _StepGraph:
+    def __init__(self, dit: AuKDiT, ctx: DiTContext, rows: int, pool: object) -> None:
+        device = dit.device
+        self.ctx = _clone_ctx(ctx)  # static copy the graph reads; refreshed per render
+        self.x = torch.zeros(rows, ctx.target_len, dit.config.latent_dim, device=device)  # fp32 ODE state
+        self.grid = torch.zeros(MAX_STEPS + 1, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)  # [1]: index_select keeps it on the device
+        self.scale = torch.zeros((), device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        self._dit = dit
+
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up: compiles, picks kernels, allocates workspaces
+            for _ in range(3):
+                self.step.zero_()
+                self._body()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.cuda.graph(self.graph, pool=pool):
+            self._body()
+
+    def _body(self) -> None:
+        t = self.grid.index_select(0, self.step).squeeze(0)  # 0-d, read on the device (no host sync)
+        dt = self.grid.index_select(0, self.step + 1).squeeze(0) - t
+        v = self._dit(self.x.to(self._dit.dtype), t, self.ctx)
+        if self.ctx.cfg:
+            v_cond, v_uncond = v.chunk(2, dim=0)
+            v = cfg_combine(v_cond, v_uncond, self.scale.to(v.dtype))
+        self.x.add_(dt * v.float())
+        self.step.add_(1)
+
+    def run(self, ctx: DiTContext, x0: Tensor, grid: Tensor, scale: float, on_step: StepCallback | None) -> Tensor:
+        for static, fresh in zip(_leaves(self.ctx), _leaves(ctx)):
+            if static is not None:
+                static.copy_(fresh)
+        self.x.copy_(x0)
+        total = grid.numel() - 1
+        self.grid[: total + 1].copy_(grid)
+        self.step.zero_()
+        self.scale.fill_(scale)
+        for i in range(total):
+            self.graph.replay()
+            if on_step is not None:
+                on_step(i + 1, total)
+        return self.x.clone()
+
+
+def _clone_ctx(ctx: DiTContext) -> DiTContext:
+    def clone(value: object) -> object:
+        if dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, **{f.name: clone(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return value.clone() if isinstance(value, Tensor) else value
+
+    return clone(ctx)  # type: ignore[return-value]
+
+
+class StepGraphs:
+    """Per-shape CUDA graphs of a guided Euler step, at most ``max_graphs`` at a time."""
+
+    def __init__(self, dit: AuKDiT, max_graphs: int, compile_blocks: bool = True) -> None:
+        self.dit = dit
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, _StepGraph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle()
+        if compile_blocks:
+            for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
+                block.compile(fullgraph=True, dynamic=False)
+
+    def sample(
+        self, ctx: DiTContext, x0: Tensor, grid: Tensor, guidance_scale: float, on_step: StepCallback | None = None
+    ) -> Tensor:
+        key = _signature(ctx)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if len(self.graphs) >= self.max_graphs:
+                log.info("dit graphs: cache full (%d), retiring every graph", len(self.graphs))
+                self.graphs.clear()
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = _StepGraph(self.dit, ctx, x0.shape[0], self.pool)
+            self.graphs[key] = graph
+            log.info("dit graphs: captured %s (%d cached)", _describe(ctx, x0), len(self.graphs))
+        return graph.run(ctx, x0, grid.to(x0.device, torch.float32), guidance_scale, on_step)
+
+
+def _describe(ctx: DiTContext, x0: Tensor) -> str:
+    ref = 0 if ctx.ref is None else ctx.ref.shape[1]
+    return f"rows={x0.shape[0]} target={ctx.target_len} text={ctx.text.shape[1]} ref={ref} cfg={ctx.cfg}"
+
+
+class DecodeGraphs:
+    """VAE decodes replayed from one CUDA graph per latent length (LRU of ``max_graphs``)."""
+
+    def __init__(self, vae: AuKVAE, max_graphs: int) -> None:
+        self.vae = vae
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def decode(self, latents: Tensor) -> Tensor:  # [b, n, l] -> [b, n * 480]
+        key = (latents.shape[0], latents.shape[1])
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(latents)
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
+            self.graphs[key] = entry
+        else:
+            self.graphs.move_to_end(key)
+        graph, static_in, static_out = entry
+        static_in.copy_(latents)
+        graph.replay()
+        return static_out.clone()
+
+    def _capture(self, latents: Tensor) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        static_in = latents.clone()
+        device = latents.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.vae.decode(static_in)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = self.vae.decode(static_in)
+        return graph, static_in, static_out

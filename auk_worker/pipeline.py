@@ -1,0 +1,466 @@
+"""The render pipeline: both stages loaded once, then request after request with no further I/O.
+
+    instruction (+ clip) ── stage 0: thinker + layer fusion ──▶ condition [1, nt, 2048]
+    clip @24 kHz ── VAE encode ──▶ reference latents [1, np, 64]
+    noise [1, n, 64] ── stage 1: Euler over the DiT (CFG for base) ──▶ latents ── VAE decode ──▶ waveform [n * 480]
+
+Precision: ``exact`` keeps every weight in fp32 (the released export) and runs fp32 math; ``fast`` holds the DiT and
+the thinker in bf16 while the VAE, the noise and the ODE state stay fp32. The deploy config's ``dtype: auto`` picks
+``fast`` on CUDA and ``exact`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from auk_worker.accel import DecodeGraphs, StepGraphs
+from auk_worker.audio import THINKER_SAMPLE_RATE, resample
+from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
+from auk_worker.deploy import DeployConfig, load_deploy_config
+from auk_worker.errors import AuKError, InputError, ModelError, OutOfMemory
+from auk_worker.model.dit import AuKDiT
+from auk_worker.model.encoder import ThinkerEncoder
+from auk_worker.model.sampling import (
+    FLASH_T_GRID,
+    euler_sample,
+    guided_velocity,
+    initial_noise,
+    make_generator,
+    needs_uncond,
+    time_grid,
+)
+from auk_worker.model.vae import AuKVAE, load_vae, plan_tiles
+from auk_worker.types import (
+    FRAME_RATE,
+    HOP,
+    MAX_TOTAL_FRAMES,
+    MAX_TOTAL_SECONDS,
+    SAMPLE_RATE,
+    AudioClip,
+    RenderRequest,
+    RenderResult,
+    frames_for_seconds,
+)
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["exact", "fast"]
+StepCallback = Callable[[int, int], None]
+
+# Graph path buckets: padded (and masked) sizes, so that a handful of graph shapes serve every request.
+TARGET_BUCKET = 25  # latent frames (0.5 s)
+TEXT_BUCKET = 32  # prompt tokens
+REF_BUCKET = 25  # reference frames
+
+VAE_SEED_OFFSET = 0x5EED0A0C  # the posterior draw uses its own generator so it never moves the noise
+MAX_SEED = 2**63
+WARM_UP_INSTRUCTION = (
+    'Generate speech based on the following description: "A clear, natural voice." '
+    'The content to speak is: "The quick brown fox jumps over the lazy dog."'
+)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The resolved sampling knobs of one render."""
+
+    grid: torch.Tensor  # [steps + 1] fp32 time points from 0 (noise) to 1 (data)
+    guidance_scale: float
+    seed: int
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.grid) - 1
+
+    @property
+    def key(self) -> tuple:
+        """Jobs with equal keys can share a DiT pass."""
+        return (tuple(self.grid.tolist()), self.guidance_scale)
+
+
+def resolve_device(devices: str) -> torch.device:
+    """The deploy config's first device index on CUDA, or the CPU where there is no CUDA."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(devices.split(",")[0]))
+    return torch.device("cpu")
+
+
+def resolve_precision(setting: str, device: torch.device) -> Precision:
+    if setting == "float32":
+        return "exact"
+    if setting == "bfloat16":
+        return "fast"
+    return "fast" if device.type == "cuda" else "exact"
+
+
+class AuKPipeline:
+    """Both stages of AuK on one device. ``load`` once per process, then ``render`` many times."""
+
+    def __init__(
+        self,
+        release: Release,
+        deploy: DeployConfig,
+        encoder: ThinkerEncoder,
+        dit: AuKDiT,
+        vae: AuKVAE,
+        device: torch.device,
+        precision: Precision,
+        model_hashes: dict[str, str],
+        compile_blocks: bool = False,
+    ) -> None:
+        self.release = release
+        self.deploy = deploy
+        self.encoder = encoder
+        self.dit = dit
+        self.vae = vae
+        self.device = device
+        self.precision = precision
+        self.model_hashes = model_hashes
+        self.startup: dict[str, float] = {"load": 0.0, "warm_up": 0.0}  # seconds
+        model_config = deploy.dit.model_config
+        self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
+        self.step_graphs: StepGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not deploy.dit.enforce_eager:
+            self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
+            self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
+
+    @property
+    def variant(self) -> str:
+        return self.release.variant
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path,
+        deploy: DeployConfig | None = None,
+        *,
+        precision: Precision | None = None,
+        device: torch.device | str | None = None,
+        qwen_path: str | Path | None = None,
+    ) -> AuKPipeline:
+        deploy = deploy or load_deploy_config()
+        release = read_release(checkpoint, qwen_path=qwen_path)
+        device = torch.device(device) if device is not None else resolve_device(deploy.dit.devices)
+        precision = precision or resolve_precision(deploy.dit.dtype, device)
+        model_dtype = torch.bfloat16 if precision == "fast" else torch.float32
+        if device.type == "cuda":
+            _apply_memory_fraction(deploy, device)
+        if precision == "exact":
+            # fp32 means fp32: TF32 matmuls and convolutions move results by ~5e-4 relative.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        started = time.perf_counter()
+
+        dit_state, fusion = split_dit_weights(read_safetensors(release.weights_path, device), str(release.weights_path))
+        with torch.device("meta"):
+            dit = AuKDiT(release.dit)
+        load_strict(dit, {k: v.to(model_dtype) if k != "rotary_embed.inv_freq" else v.float() for k, v in dit_state.items()},
+                    str(release.weights_path), prefix="transformer.")
+        dit.eval().requires_grad_(False)
+        del dit_state
+
+        vae = load_vae(read_safetensors(release.vae_path, device), release.vae, device)
+        vae.eval().requires_grad_(False)
+
+        encoder = ThinkerEncoder.load(
+            release.qwen_dir, fusion["layer_weights"].float(), fusion["layer_scale"].float(), device, model_dtype
+        )
+        hashes = {
+            "dit": file_digest(release.weights_path),
+            "vae": file_digest(release.vae_path),
+        }
+        pipe = cls(release, deploy, encoder, dit, vae, device, precision, hashes)
+        pipe.startup["load"] = time.perf_counter() - started
+        pipe.warm_up()
+        log.info(
+            "pipeline: %s (%s) on %s, %s precision: loaded in %.1f s, warmed up in %.1f s",
+            release.name, release.root, device, precision, pipe.startup["load"], pipe.startup["warm_up"],
+        )
+        return pipe
+
+    def warm_up(self) -> None:
+        """On the graph path, capture the common shapes now rather than on the first jobs: the deploy config's
+        warm-up target lengths, text-only and with a reference, and the VAE decode buckets."""
+        started = time.perf_counter()
+        if self.step_graphs is not None:
+            model_config = self.deploy.dit.model_config
+            clip = AudioClip(samples=np.zeros(3 * SAMPLE_RATE, dtype=np.float32), sample_rate=SAMPLE_RATE)
+            for frames in model_config.auk_dit_warmup_frames:
+                for audio in (None, clip):
+                    if frames + (0 if audio is None else 150) > MAX_TOTAL_FRAMES:
+                        continue
+                    self.render(RenderRequest(WARM_UP_INSTRUCTION, audio=audio, gen_seconds=frames / FRAME_RATE))
+            for frames in model_config.auk_vae_compile_shapes:
+                with torch.inference_mode():
+                    self._decode(torch.zeros(1, frames, self.release.dit.latent_dim, device=self.device))
+        self.startup["warm_up"] = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ request resolution
+
+    def schedule(self, request: RenderRequest) -> Schedule:
+        defaults = self.deploy.defaults
+        seed = defaults.seed if request.seed is None else request.seed
+        if not 0 <= seed < MAX_SEED:
+            raise InputError(f"seed must be in [0, 2^63), got {seed}")
+        if self.variant == "flash":
+            # The distilled student has one recipe: 4 fixed steps without CFG (CFG blows up its amplitude).
+            grid = torch.tensor(FLASH_T_GRID, dtype=torch.float32)
+            return Schedule(grid=grid, guidance_scale=0.0, seed=seed)
+        steps = defaults.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+        sway = defaults.sway if request.sway is None else request.sway
+        scale = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
+        if not 0.0 <= scale <= 20.0:
+            raise InputError(f"guidance_scale must be in [0, 20], got {scale}")
+        return Schedule(grid=time_grid(steps, sway), guidance_scale=float(scale), seed=seed)
+
+    @staticmethod
+    def target_frames(request: RenderRequest, clip_samples_24k: int) -> int:
+        """ceil(50 * gen_seconds), or the clip's whole frames; clip plus target at most 30 s."""
+        if request.gen_seconds is not None:
+            if not (request.gen_seconds > 0 and math.isfinite(request.gen_seconds)):
+                raise InputError(f"gen_seconds must be a positive number, got {request.gen_seconds}")
+            frames = frames_for_seconds(request.gen_seconds)
+        elif request.audio is not None:
+            frames = clip_samples_24k // HOP
+        else:
+            raise InputError("gen_seconds is required when no audio is given")
+        total = frames + clip_samples_24k // HOP
+        if total > MAX_TOTAL_FRAMES:
+            raise InputError(
+                f"clip ({clip_samples_24k / SAMPLE_RATE:.2f} s) plus target ({frames / FRAME_RATE:.2f} s) is "
+                f"{total / FRAME_RATE:.2f} s; at most {MAX_TOTAL_SECONDS:g} s is supported"
+            )
+        return frames
+
+    # ------------------------------------------------------------------ rendering
+
+    def render(self, request: RenderRequest, on_step: StepCallback | None = None) -> RenderResult:
+        """Render one request; bad input raises an InputError, a model failure a ModelError."""
+        job = self._conditioned(request)
+        (result,) = self._render_group([job], on_step)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def render_batch(
+        self, requests: list[RenderRequest], on_step: StepCallback | None = None
+    ) -> list[RenderResult | AuKError]:
+        """Render compatible requests in shared DiT passes; each keeps its own seed, output and failure.
+
+        Requests are grouped by schedule (grid and guidance) and, within a group, packed longest first while
+        ``rows x longest row's positions`` stays within the deploy config's position budget and ``max_num_seqs``.
+        A request that fails validation or conditioning gets its error in its slot; its neighbours go on.
+        """
+        results: list[RenderResult | AuKError | None] = [None] * len(requests)
+        jobs: list[_Job] = []
+        for index, request in enumerate(requests):
+            try:
+                jobs.append(self._conditioned(request, index))
+            except (InputError, ModelError) as exc:
+                results[index] = exc
+        for group in self._pack(jobs):
+            for job, result in zip(group, self._render_group(group, on_step)):
+                results[job.index] = result
+        return results  # type: ignore[return-value]
+
+    def _pack(self, jobs: list[_Job]) -> list[list[_Job]]:
+        limit = self.deploy.dit.max_num_seqs
+        budget = self.deploy.dit.model_config.auk_dit_batch_position_budget
+        by_schedule: dict[tuple, list[_Job]] = {}
+        for job in jobs:
+            by_schedule.setdefault(job.schedule.key, []).append(job)
+        groups = []
+        for same in by_schedule.values():
+            same.sort(key=lambda job: job.positions, reverse=True)
+            group: list[_Job] = []
+            for job in same:
+                if group and (len(group) >= limit or (len(group) + 1) * group[0].positions > budget):
+                    groups.append(group)
+                    group = []
+                group.append(job)
+            groups.append(group)
+        return groups
+
+    def _conditioned(self, request: RenderRequest, index: int = 0) -> _Job:
+        """Validate a request and run what is per request: the thinker, the reference encode, the noise draw."""
+        if not request.instruction or not request.instruction.strip():
+            raise InputError("instruction must be a non-empty string")
+        schedule = self.schedule(request)
+        clip_24k = None
+        if request.audio is not None:
+            clip_24k = resample(request.audio.samples, request.audio.sample_rate, SAMPLE_RATE)
+        frames = self.target_frames(request, 0 if clip_24k is None else len(clip_24k))
+        timings: dict[str, float] = {}
+        with torch.inference_mode(), _oom_as_model_error(frames):
+            started = self._clock()
+            audio_16k = None
+            if request.audio is not None:
+                # The thinker hears the ORIGINAL clip at 16 kHz, not the 24 kHz copy the VAE encodes.
+                audio_16k = resample(request.audio.samples, request.audio.sample_rate, THINKER_SAMPLE_RATE)
+            text, text_mask = self.encoder.encode(request.instruction, audio_16k)  # [1, nt, dt], [1, nt]
+            timings["encode"] = self._clock() - started
+
+            started = self._clock()
+            ref, ref_valid = None, 0
+            if clip_24k is not None:
+                wav = torch.from_numpy(clip_24k).to(self.device)[None]  # [1, t]
+                vae_gen = None
+                if request.vae_sample:
+                    vae_gen = make_generator((schedule.seed + VAE_SEED_OFFSET) % MAX_SEED, self.device)
+                ref = self.vae.encode(wav, sample=request.vae_sample, generator=vae_gen)[0]  # [np, l]
+                ref_valid = self.vae.valid_frames(len(clip_24k))
+            timings["vae_encode"] = self._clock() - started
+            noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))
+        return _Job(
+            index=index,
+            schedule=schedule,
+            text=text[0, : int(text_mask.sum())],
+            ref=ref,
+            ref_valid=ref_valid,
+            noise=noise[0],
+            timings=timings,
+        )
+
+    def _render_group(self, group: list[_Job], on_step: StepCallback | None) -> list[RenderResult | AuKError]:
+        """One DiT pass over the group (padded and masked to a common shape), then a decode per job."""
+        schedule = group[0].schedule
+        started = self._clock()
+        try:
+            with torch.inference_mode(), _oom_as_model_error(max(job.frames for job in group)):
+                latents = self._sample(group, schedule, on_step)  # [b, n, l] fp32
+        except ModelError as exc:
+            return [exc for _ in group]
+        dit_seconds = (self._clock() - started) / len(group)
+        results: list[RenderResult | AuKError] = []
+        for row, job in enumerate(group):
+            try:
+                results.append(self._finish(job, latents[row : row + 1, : job.frames], schedule, dit_seconds))
+            except ModelError as exc:
+                results.append(exc)
+        return results
+
+    def _sample(self, group: list[_Job], schedule: Schedule, on_step: StepCallback | None) -> torch.Tensor:
+        dev = self.device
+        rows = len(group)
+        frames = [job.frames for job in group]
+        text_lens = [job.text.shape[0] for job in group]
+        ref_lens = [0 if job.ref is None else job.ref.shape[0] for job in group]
+        n, nt, np_ = max(frames), max(text_lens), max(ref_lens)
+        if self.step_graphs is not None:  # graphs are per shape: pad to buckets so few shapes recur
+            n, nt = _round_up(n, TARGET_BUCKET), _round_up(nt, TEXT_BUCKET)
+            np_ = _round_up(np_, REF_BUCKET) if np_ else 0
+        latent_dim = self.release.dit.latent_dim
+        text = torch.zeros(rows, nt, group[0].text.shape[-1], device=dev)
+        x0 = torch.zeros(rows, n, latent_dim, device=dev)  # padded target frames start (and stay masked) at zero
+        ref = torch.zeros(rows, np_, latent_dim, device=dev) if np_ else None
+        for row, job in enumerate(group):
+            text[row, : text_lens[row]] = job.text
+            x0[row, : job.frames] = job.noise
+            if job.ref is not None:
+                ref[row, : ref_lens[row]] = job.ref
+        as_tensor = lambda values: torch.tensor(values, device=dev)  # noqa: E731
+        padded = rows > 1 or self.step_graphs is not None
+        ctx = self.dit.prepare(
+            text=text,
+            text_lens=as_tensor(text_lens),
+            ref=ref,
+            ref_lens=as_tensor(ref_lens) if np_ else None,
+            ref_valid_lens=as_tensor([job.ref_valid for job in group]) if np_ else None,
+            target_len=n,
+            target_lens=as_tensor(frames) if padded else None,
+            cfg=needs_uncond(schedule.guidance_scale),
+        )
+        grid = schedule.grid.to(dev)
+        if self.step_graphs is not None:
+            return self.step_graphs.sample(ctx, x0, grid, schedule.guidance_scale, on_step)
+        velocity = guided_velocity(self.dit, ctx, schedule.guidance_scale)
+        return euler_sample(velocity, x0, grid, on_step=on_step)
+
+    def _finish(self, job: _Job, latents: torch.Tensor, schedule: Schedule, dit_seconds: float) -> RenderResult:
+        timings = dict(job.timings, dit=dit_seconds)
+        started = self._clock()
+        with torch.inference_mode(), _oom_as_model_error(job.frames):
+            wave = self._decode(latents)  # [1, n * 480]
+        timings["decode"] = self._clock() - started
+        waveform = wave[0].float().cpu().numpy()
+        if not np.isfinite(waveform).all():
+            raise ModelError("the model produced non-finite audio")
+        timings["total"] = sum(timings.values())
+        return RenderResult(
+            waveform=waveform,
+            seed=schedule.seed,
+            num_inference_steps=schedule.num_steps,
+            guidance_scale=schedule.guidance_scale,
+            timings=timings,
+        )
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        decode = self.decode_graphs.decode if self.decode_graphs is not None else self.vae.decode
+        frames = latents.shape[1]
+        if frames <= self.vae_tile_frames:
+            return decode(latents)
+        left, right = self.vae.receptive_field()
+        sizes = self.deploy.dit.model_config.auk_vae_compile_shapes
+        pieces = []
+        for start, length, emit_start, emit_end in plan_tiles(frames, self.vae_tile_frames, left, right, sizes):
+            window = decode(latents[:, start : start + length])  # [1, length * 480]
+            pieces.append(window[:, (emit_start - start) * HOP : (emit_end - start) * HOP])
+        return torch.cat(pieces, dim=1)
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+@dataclass
+class _Job:
+    """One request after the per-request work, ready for a DiT pass."""
+
+    index: int
+    schedule: Schedule
+    text: torch.Tensor  # [nt, dt] fused condition, valid tokens only
+    ref: torch.Tensor | None  # [np, l] normalised reference latents
+    ref_valid: int  # reference frames attention may see (<= np)
+    noise: torch.Tensor  # [n, l] fp32, from the job's own generator
+    timings: dict[str, float]
+
+    @property
+    def frames(self) -> int:
+        return self.noise.shape[0]
+
+    @property
+    def positions(self) -> int:
+        return self.text.shape[0] + (0 if self.ref is None else self.ref.shape[0]) + self.frames
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+@contextmanager
+def _oom_as_model_error(frames: int) -> Iterator[None]:
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        raise OutOfMemory(f"the GPU ran out of memory rendering {frames / FRAME_RATE:.2f} s: {exc}") from None
+
+
+def _apply_memory_fraction(deploy: DeployConfig, device: torch.device) -> None:
+    """Cap this process's allocator at the stages' combined share of the device."""
+    fraction = deploy.dit.gpu_memory_utilization
+    if deploy.encoder.devices == deploy.dit.devices:
+        fraction += deploy.encoder.gpu_memory_utilization
+    torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)

@@ -1,0 +1,56 @@
+"""What every benchmark records beside its numbers: the machine, the versions, the commit."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    import torch
+
+    info = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def commit() -> str:
+    if os.environ.get("AUK_COMMIT"):
+        return os.environ["AUK_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = payload.setdefault("environment", environment())
+    tag = env["device"].replace(" ", "-").lower()
+    path = out_dir / f"{name}-{tag}-{env['date'][:10]}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,98 @@
+"""One guided DiT step at release size, in its variants: eager or graph, padded (masked) or exact, compiled or not.
+
+    python -m bench.dit_step [--profile]
+
+Reports milliseconds per CFG step (median of 20 replays) and the DiT compute utilisation; ``--profile`` prints the
+top GPU kernels of one eager step. Used to choose the fast path; the pipeline benchmark measures the whole render.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from auk_worker.accel import StepGraphs
+from auk_worker.model.dit import AuKDiT, DiTConfig
+from auk_worker.model.sampling import guided_velocity, time_grid
+from bench.models import RELEASE_ARCH
+from bench.pipeline import PEAK_FLOPS, block_linear_params
+
+
+def make_ctx(dit: AuKDiT, rows: int, text: int, ref: int, frames: int, pad: int):
+    device = dit.device
+    nt, np_, n = text + pad, (ref + pad if ref else 0), frames + pad
+    lens = lambda v: torch.full((rows,), v, device=device)  # noqa: E731
+    ctx = dit.prepare(
+        text=torch.randn(rows, nt, 2048, device=device),
+        text_lens=lens(text),
+        ref=torch.randn(rows, np_, 64, device=device) if np_ else None,
+        ref_lens=lens(ref) if np_ else None,
+        ref_valid_lens=lens(ref) if np_ else None,
+        target_len=n,
+        target_lens=lens(frames) if pad else None,
+        cfg=True,
+    )
+    return ctx, torch.randn(rows, n, 64, device=device)
+
+
+def timed(fn, repeats: int = 20) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.dit_step")
+    parser.add_argument("--text", type=int, default=100)
+    parser.add_argument("--ref", type=int, default=0)
+    parser.add_argument("--frames", type=int, default=300)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16).eval().requires_grad_(False)
+    positions = args.text + args.ref + args.frames
+    blocks = 30
+    flops = 2 * (positions * 2 * block_linear_params(dit) + 4 * positions**2 * 1536 * blocks)
+    grid = time_grid(32, -1.0).cuda()
+    variants = [("exact", 0), ("padded", 7)]
+    with torch.inference_mode():
+        for name, pad in variants:
+            ctx, x = make_ctx(dit, 1, args.text, args.ref, args.frames, pad)
+            velocity = guided_velocity(dit, ctx, 2.0)
+            eager_s = timed(lambda: velocity(x, grid[3], 3))
+            graphs = StepGraphs(dit, 4, compile_blocks=False)
+            graphs.sample(ctx, x, grid, 2.0)
+            graph_s = timed(lambda: graphs.sample(ctx, x, grid, 2.0), 5) / 32
+            print(f"{name:7s} eager {eager_s * 1e3:7.2f} ms/step  graph {graph_s * 1e3:7.2f} ms/step  "
+                  f"mfu {flops / graph_s / PEAK_FLOPS:.1%}", flush=True)
+            if args.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    velocity(x, grid[3], 3)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        if args.compile:
+            for name, pad in variants:
+                ctx, x = make_ctx(dit, 1, args.text, args.ref, args.frames, pad)
+                graphs = StepGraphs(dit, 4, compile_blocks=True)
+                started = time.perf_counter()
+                graphs.sample(ctx, x, grid, 2.0)
+                compile_s = time.perf_counter() - started
+                graph_s = timed(lambda: graphs.sample(ctx, x, grid, 2.0), 5) / 32
+                print(f"{name:7s} compiled graph {graph_s * 1e3:7.2f} ms/step (first call {compile_s:.1f} s)  "
+                      f"mfu {flops / graph_s / PEAK_FLOPS:.1%}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Pipeline benchmark: latency per request kind and length, DiT compute utilisation, memory, start-up.
+
+    python -m bench.pipeline                      # release-size random weights on the GPU (the targets' table)
+    python -m bench.pipeline --tiny --device cpu  # the tiny checkpoint on the CPU: a quick check that it runs
+
+Latency is the wall time of ``AuKPipeline.render`` (from the call to the finished float32 waveform on the host),
+median of ``--runs`` warm runs after ``--warmup`` runs. DiT utilisation counts the useful work of the Euler loop:
+per position 2 x 708 M block-linear weights... precisely 2 x (DiT parameters in the per-token linears) FLOP, plus
+4 L^2 d FLOP of attention per block and row, over the time the loop took, against 790 TFLOP/s (the H200's dense
+bf16 rate measured on random data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from auk_worker.audio import THINKER_SAMPLE_RATE, resample
+from bench.common import environment, median, write_result
+from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
+
+PEAK_FLOPS = 790e12
+INSTRUCT = (
+    'Generate speech based on the following description: "A calm, warm female voice, close to the microphone." '
+    'The content to speak is: "Thanks for calling. Your order shipped this morning and arrives on Friday."'
+)
+ZERO_SHOT = 'Say the following with the same voice: "Thanks for calling. Your order shipped this morning."'
+# (name, variant, instruction, reference seconds)
+KINDS = [
+    ("base zero-shot", "base", ZERO_SHOT, 5.0),
+    ("base instruct", "base", INSTRUCT, 0.0),
+    ("flash zero-shot", "flash", ZERO_SHOT, 5.0),
+]
+TARGETS_S = {  # the issue's targets, seconds
+    "base zero-shot": {3: 0.17, 6: 0.21, 12: 0.27},
+    "base instruct": {3: 0.11, 6: 0.15, 12: 0.21},
+    "flash zero-shot": {3: 0.05, 6: 0.07, 12: 0.09},
+}
+VLLM_OMNI_S = {  # published for vLLM-Omni's deployment on an H200-class GPU
+    "base zero-shot": {3: 0.25, 6: 0.31, 12: 0.40},
+    "base instruct": {3: 0.17, 6: 0.23, 12: 0.32},
+    "flash zero-shot": {3: 0.08, 6: 0.10, 12: 0.14},
+}
+
+
+def block_linear_params(dit: torch.nn.Module) -> int:
+    """Weights every position passes through once per forward: the blocks' token-wise linears, embeddings, output."""
+    skip = ("time_embed", "attn_norm", "norm_out", "rotary", "conv_pos_embed", "norm.")
+    return sum(p.numel() for name, p in dit.named_parameters() if p.dim() == 2 and not any(s in name for s in skip))
+
+
+def dit_flops(pipe, positions: int, text: int, frames: int, rows: int, steps: int) -> float:
+    per_position = 2 * block_linear_params(pipe.dit)
+    config = pipe.dit.config
+    blocks = config.num_layers + config.num_single_layers
+    attention = 4 * positions**2 * config.heads * config.dim_head * blocks
+    return steps * rows * (positions * per_position + attention)
+
+
+def clip(seconds: float) -> AudioClip:
+    rng = np.random.default_rng(0)
+    return AudioClip(samples=(0.1 * rng.standard_normal(int(seconds * SAMPLE_RATE))).astype(np.float32), sample_rate=SAMPLE_RATE)
+
+
+def measure(pipe, request: RenderRequest, runs: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        pipe.render(request)
+    walls, stages = [], []
+    for _ in range(runs):
+        if pipe.device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = pipe.render(request)
+        walls.append(time.perf_counter() - started)
+        stages.append(result.timings)
+    return {
+        "wall_s": median(walls),
+        "wall_runs_s": walls,
+        "stages_ms": {k: 1000 * median([s[k] for s in stages]) for k in stages[0]},
+        "samples": len(result.waveform),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.tiny:
+        from auk_worker.pipeline import AuKPipeline
+        from auk_worker.tiny import make_tiny_checkpoint
+
+        root = tempfile.mkdtemp(prefix="auk-tiny-")
+        started = time.perf_counter()
+        base = AuKPipeline.load(make_tiny_checkpoint(f"{root}/base"), device=args.device)
+        flash = AuKPipeline.load(make_tiny_checkpoint(f"{root}/flash", variant="flash"), device=args.device)
+        startup = {"make_and_load_s": time.perf_counter() - started}
+    else:
+        from bench.models import random_pipeline
+
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base = random_pipeline("base", args.device, args.precision, compile_blocks=args.compile)
+        flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
+        flash_pipe = object.__new__(type(base))
+        flash_pipe.__dict__.update(base.__dict__, release=flash)
+        flash = flash_pipe
+        startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
+    pipes = {"base": base, "flash": flash}
+    seconds = args.seconds
+    table: dict[str, dict] = {}
+    for name, variant, instruction, ref_s in KINDS:
+        if args.kinds and name.split()[-1] not in args.kinds and name.replace(" ", "-") not in args.kinds:
+            continue
+        pipe = pipes[variant]
+        for target in seconds:
+            request = RenderRequest(
+                instruction, audio=clip(ref_s) if ref_s else None, gen_seconds=float(target), seed=1234,
+                num_inference_steps=args.steps if variant == "base" else None,
+            )
+            if pipe.device.type == "cuda" and name == "base zero-shot" and target == max(seconds):
+                torch.cuda.reset_peak_memory_stats()
+            row = measure(pipe, request, args.runs, args.warmup)
+            if pipe.device.type == "cuda" and name == "base zero-shot" and target == max(seconds):
+                row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            audio_16k = resample(clip(ref_s).samples, SAMPLE_RATE, THINKER_SAMPLE_RATE) if ref_s else None
+            text = pipe.encoder.processor(instruction, audio_16k)["input_ids"].shape[1]
+            ref_frames = int(ref_s * FRAME_RATE)
+            frames = int(target * FRAME_RATE)
+            schedule = pipe.schedule(request)
+            rows = 2 if schedule.guidance_scale >= 1e-5 else 1
+            flops = dit_flops(pipe, text + ref_frames + frames, text, frames, rows, schedule.num_steps)
+            row.update(
+                text_tokens=text,
+                positions=text + ref_frames + frames,
+                dit_tflop=flops / 1e12,
+                rtf=row["wall_s"] / target,
+            )
+            if pipe.device.type == "cuda":
+                row["dit_mfu"] = flops / (row["stages_ms"]["dit"] / 1000) / PEAK_FLOPS
+            target_s = TARGETS_S[name].get(target)
+            if target_s is not None and not args.tiny:
+                row["target_s"], row["vllm_omni_s"] = target_s, VLLM_OMNI_S[name][target]
+            table.setdefault(name, {})[f"{target}s"] = row
+            print(f"{name:16s} {target:>3}s  {row['wall_s'] * 1000:8.1f} ms  " + "  ".join(
+                f"{k} {v:.1f}" for k, v in row["stages_ms"].items()) + (
+                f"  mfu {row['dit_mfu']:.1%}" if "dit_mfu" in row else ""), flush=True)
+    return {
+        "benchmark": "pipeline",
+        "mode": "tiny" if args.tiny else "release-size random weights",
+        "precision": base.precision,
+        "graphs": base.step_graphs is not None,
+        "compiled_blocks": args.compile and base.step_graphs is not None,
+        "runs": args.runs,
+        "startup_s": startup,
+        "latency": table,
+        "environment": environment(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint instead of release-size weights")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=("exact", "fast"), default="fast")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per case (default 10, tiny 2)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="base Euler steps (default: the deploy config's)")
+    parser.add_argument("--kinds", nargs="+", default=None, help="which request kinds (default all)")
+    parser.add_argument("--seconds", type=int, nargs="+", default=None, help="target lengths (default 3 6 12)")
+    parser.add_argument("--compile", action="store_true", help="compile the DiT blocks before capturing graphs")
+    parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    if args.runs is None:
+        args.runs = 2 if args.tiny else 10
+    if args.seconds is None:
+        args.seconds = [1, 2] if args.tiny else [3, 6, 12]
+    if args.tiny:
+        args.warmup = min(args.warmup, 1)
+        args.steps = args.steps or 4
+    result = run(args)
+    from pathlib import Path
+
+    path = write_result("pipeline-tiny" if args.tiny else "pipeline", result, Path(args.out) if args.out else None)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

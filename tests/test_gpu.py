@@ -1,0 +1,79 @@
+"""GPU checks at release size with random weights: a smoke render, graphs against eager, batched against alone.
+
+Skipped where there is no CUDA. The tolerances are the measured differences with headroom (README, "GPU path").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from auk_worker.types import SAMPLE_RATE, AudioClip, RenderRequest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+INSTRUCT = 'Generate speech based on the following description: "A calm voice." The content to speak is: "Hello."'
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from bench.models import random_pipeline
+
+    return random_pipeline("base", "cuda", "fast")
+
+
+def clip(seconds: float, seed: int = 0) -> AudioClip:
+    samples = 0.1 * np.random.default_rng(seed).standard_normal(int(seconds * SAMPLE_RATE))
+    return AudioClip(samples=samples.astype(np.float32), sample_rate=SAMPLE_RATE)
+
+
+def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def eager(pipe):
+    """The same pipeline with the graph path switched off."""
+    twin = object.__new__(type(pipe))
+    twin.__dict__.update(pipe.__dict__, step_graphs=None, decode_graphs=None)
+    return twin
+
+
+def test_release_size_renders_six_seconds(pipe):
+    result = pipe.render(RenderRequest(INSTRUCT, gen_seconds=6.0, seed=7))
+    assert result.waveform.shape == (6 * SAMPLE_RATE,)
+    assert np.isfinite(result.waveform).all() and np.abs(result.waveform).max() <= 1.0
+    assert result.num_inference_steps == 32 and result.guidance_scale == 2.0
+
+
+def test_graph_path_matches_eager(pipe):
+    for request in (
+        RenderRequest(INSTRUCT, gen_seconds=3.0, seed=11),
+        RenderRequest('Say the following with the same voice: "Hi."', audio=clip(5.0), gen_seconds=3.0, seed=12),
+    ):
+        graphs = pipe.render(request).waveform
+        plain = eager(pipe).render(request).waveform
+        diff = rel_diff(graphs, plain)
+        print(f"graph vs eager relative L2 difference: {diff:.3e}")
+        assert diff < 0.05
+        again = pipe.render(request).waveform
+        assert np.array_equal(graphs, again), "graph replays must be deterministic"
+
+
+def test_batched_matches_alone(pipe):
+    requests = [
+        RenderRequest(INSTRUCT, gen_seconds=6.0, seed=1),
+        RenderRequest(INSTRUCT + " Again.", gen_seconds=5.5, seed=2),
+        RenderRequest('Generate speech based on the following description: "Deep." The content to speak is: "Yes."',
+                      gen_seconds=6.0, seed=3),
+    ]
+    batched = pipe.render_batch(requests)
+    for request, together in zip(requests, batched):
+        alone = pipe.render(request).waveform
+        assert together.waveform.shape == alone.shape
+        diff = rel_diff(together.waveform, alone)
+        print(f"batched vs alone relative L2 difference: {diff:.3e}")
+        assert diff < 0.05
