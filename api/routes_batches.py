@@ -69,8 +69,8 @@ async def _read_body(request: Request) -> bytes:
                 break
         data = bytes(data)
     else:
-        raise ApiError(415, "unsupported_media_type",
-                       f"a batch is JSONL (application/x-ndjson or text/plain) or a multipart file, not {content_type!r}")
+        message = f"a batch is JSONL (application/x-ndjson or text/plain) or a multipart file, not {content_type!r}"
+        raise ApiError(415, "unsupported_media_type", message)
     if len(data) > MAX_BATCH_BYTES:
         raise too_large("the batch", MAX_BATCH_BYTES)
     return data
@@ -125,7 +125,8 @@ async def create_batch(request: Request, owner: str = Depends(caller), svc: Serv
     if lines == 0:
         raise ApiError(422, "empty_batch", "the batch holds no job lines")
     if lines > MAX_BATCH_LINES:
-        raise ApiError(422, "too_many_lines", f"the batch has {lines} job lines; at most {MAX_BATCH_LINES} are accepted")
+        message = f"the batch has {lines} job lines; at most {MAX_BATCH_LINES} are accepted"
+        raise ApiError(422, "too_many_lines", message)
     # Validation reads Redis and storage and may decode clips: off the event loop.
     return await run_in_threadpool(_enqueue_batch, svc, owner, text)
 

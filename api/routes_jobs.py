@@ -54,7 +54,8 @@ class ClipResolver:
         if audio.upload_id is not None:
             upload = load_upload(self.svc, audio.upload_id, self.owner)
             if upload is None:
-                raise ApiError(422, "unknown_upload", f"audio.upload_id: no upload {audio.upload_id!r} for this API key")
+                message = f"audio.upload_id: no upload {audio.upload_id!r} for this API key"
+                raise ApiError(422, "unknown_upload", message)
             return {"bucket": self.svc.storage.bucket, "key": upload.key, "duration_s": upload.duration_s,
                     "sample_rate": upload.sample_rate}
         key = audio.key

@@ -152,6 +152,27 @@ def test_api_refuses_to_start_without_keys(tmp_path: Path) -> None:
     assert out.returncode == 2 and "AUK_API_KEYS" in out.stderr
 
 
+def test_dependencies_down_is_503_not_500() -> None:
+    """Redis and storage unreachable: readiness says which, and a request gets 503 with the cause, never a 500."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from auk_worker.service.settings import Settings
+
+    dead = f"127.0.0.1:{free_port()}"
+    settings = Settings.from_env({"AUK_REDIS_URL": f"redis://{dead}/0", "AUK_S3_ENDPOINT": f"http://{dead}",
+                                  "AUK_S3_ACCESS_KEY": "a", "AUK_S3_SECRET_KEY": "b", "AUK_API_KEYS": KEY_A})  # fmt: skip
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    with TestClient(create_app(settings), raise_server_exceptions=False) as http:
+        ready = http.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["redis"] is False and ready.json()["storage"] is False
+        job = http.post("/v1/jobs", json={"instruction": "x", "gen_seconds": 1}, headers=auth)
+        assert job.status_code == 503 and "Redis" in error_of(job)["message"]
+        upload = http.post("/v1/uploads", files={"file": ("a.wav", wav_bytes(0.5), "audio/wav")}, headers=auth)
+        assert upload.status_code == 503 and "storage" in error_of(upload)["message"]
+
+
 def test_health_readiness_and_docs(service: Service) -> None:
     with service.client(None) as http:
         assert http.get("/healthz").json() == {"status": "ok"}
@@ -332,7 +353,8 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_worker_stays_up(service: 
         assert long.status_code == 422
         assert "2.00 s" in error_of(long)["message"] and "29.00 s" in error_of(long)["message"]
 
-        not_audio = http.post("/v1/uploads", files={"file": ("notes.txt", b"just some text, not a sound", "text/plain")})
+        text_file = {"file": ("notes.txt", b"just some text, not a sound", "text/plain")}
+        not_audio = http.post("/v1/uploads", files=text_file)
         assert not_audio.status_code == 422 and "not audio" in error_of(not_audio)["message"]
         empty = http.post("/v1/uploads", files={"file": ("empty.wav", b"", "audio/wav")})
         assert empty.status_code == 422 and "empty" in error_of(empty)["message"]
