@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 REDIS_TIMEOUT_S = 5.0
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers around an uploaded file
 JSON_BODY_LIMIT = 1024 * 1024  # a job request is a few kilobytes
+SERVING_STATES = ("ready", "busy")  # a worker with its pipeline loaded: idle, or rendering and taking the next job
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def readiness(svc: Services) -> JSONResponse:
+    """200 when Redis and storage answer (503 otherwise), with ``workers_ready`` and every worker's heartbeat."""
     checks: dict[str, Any] = {}
     try:
         checks["redis"] = bool(svc.redis.ping())
@@ -144,7 +146,7 @@ def readiness(svc: Services) -> JSONResponse:
             workers = read_heartbeats(svc.redis)
         except redis.RedisError as exc:
             log.warning("readyz: heartbeats: %s", exc)
-    ready = sum(1 for worker in workers if worker.get("state") == "ready" or worker.get("state") == "busy")
+    ready = sum(1 for worker in workers if worker.get("state") in SERVING_STATES)
     ok = checks["redis"] and checks["storage"]
     body = {"status": "ready" if ok else "unavailable", **checks, "workers_ready": ready, "workers": workers}
     return JSONResponse(body, status_code=200 if ok else 503)

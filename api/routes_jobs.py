@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
+from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import JSONResponse
 
@@ -19,7 +20,7 @@ from api.auth import caller
 from api.errors import ApiError, not_found, require_cancelable
 from api.routes_uploads import load_upload
 from auk_worker.audio import decode_audio
-from auk_worker.errors import InfraError
+from auk_worker.errors import InfraError, InputError
 from auk_worker.service.celery_app import RENDER_TASK, queue_name
 from auk_worker.service.jobs import JobRecord, JobStatus
 from auk_worker.service.schema import JobRequest, check_total_length
@@ -61,14 +62,27 @@ class ClipResolver:
         key = audio.key
         if key not in self._by_key:
             bucket = self.svc.storage.input_bucket
-            data = self.svc.storage.get_bytes(bucket, key)  # InputError (audio_not_found) for a missing key
+            size = self._input_size(bucket, key)
             limit = self.svc.settings.max_upload_bytes
-            if len(data) > limit:
-                raise ApiError(422, "too_large", f"audio.key {key!r} is {len(data)} bytes; the limit is {limit}")
-            clip = decode_audio(data)
+            if size > limit:
+                raise ApiError(422, "too_large", f"audio.key {key!r} is {size} bytes; the limit is {limit}")
+            clip = decode_audio(self.svc.storage.get_bytes(bucket, key))
             self._by_key[key] = {"bucket": bucket, "key": key, "duration_s": round(clip.duration_s, 6),
                                  "sample_rate": clip.sample_rate}
         return dict(self._by_key[key])
+
+
+    def _input_size(self, bucket: str, key: str) -> int:
+        """HEAD the input object: its size, before anything is downloaded; a missing key is the caller's error."""
+        try:
+            head = self.svc.storage.client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+                raise InputError(f"audio.key: no object {key!r} in the input bucket", code="audio_not_found") from None
+            raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
+        return int(head.get("ContentLength", 0))
 
 
 def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:

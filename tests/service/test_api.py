@@ -232,6 +232,28 @@ def test_upload_then_job_defaults_to_the_clip_length(service: Service) -> None:
     assert len(samples) == expected_samples(0.8)
 
 
+def test_job_from_an_input_bucket_key(service: Service) -> None:
+    s3 = service.s3.client()
+    s3.put_object(Bucket=BUCKET, Key="inputs/ref-0.5s.flac", Body=_flac(0.5))
+    s3.put_object(Bucket=BUCKET, Key="inputs/readme.txt", Body=b"not a sound at all")
+    with service.client() as http:
+        job = http.post("/v1/jobs", json={"instruction": "Same voice.", "num_inference_steps": 1, "gen_seconds": 0.3,
+                                          "audio": {"key": "inputs/ref-0.5s.flac"}})  # fmt: skip
+        assert job.status_code == 202, job.text
+        assert job.json()["request"]["clip"]["duration_s"] == pytest.approx(0.5)
+        text = http.post("/v1/jobs", json={"instruction": "x", "audio": {"key": "inputs/readme.txt"}})
+        assert text.status_code == 422 and "not audio" in error_of(text)["message"]
+    done = wait_job(service, job.json()["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert len(fetch_wav(done["result"]["url"])[0]) == expected_samples(0.3)
+
+
+def _flac(seconds: float, rate: int = 22_050) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(int(seconds * rate), np.float32) + 0.01, rate, format="FLAC")
+    return buf.getvalue()
+
+
 def test_batch_of_twenty_goes_to_done_with_a_manifest(service: Service) -> None:
     lines = [json.dumps({"instruction": f"Line number {i}.", "gen_seconds": 0.1 + 0.01 * i, "custom_id": f"row-{i}",
                          "num_inference_steps": 1, "seed": i}) for i in range(20)]  # fmt: skip
