@@ -24,6 +24,8 @@ from auk_worker.service.jobs import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = "5"  # what a 503 (a dependency down) tells the client to wait before trying again
+
 
 class ApiError(Exception):
     """An answer the API gives on purpose: an HTTP status, a stable code and a sentence naming the problem."""
@@ -136,12 +138,14 @@ async def _auk_error(request: Request, exc: AuKError) -> JSONResponse:
     status = status_for_error(exc)
     if status >= 500:
         log.warning("%s %s: %s (%s)", request.method, request.url.path, exc.message, exc.code)
-    return JSONResponse(_body(exc.code, exc.message), status_code=status)
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse(_body(exc.code, exc.message), status_code=status, headers=headers)
 
 
 async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
     log.warning("%s %s: redis: %s", request.method, request.url.path, exc)
-    return JSONResponse(_body(InfraError.code, f"the job store (Redis) is unreachable: {exc}"), status_code=503)
+    message = f"the job store (Redis) is unreachable: {exc}"
+    return JSONResponse(_body(InfraError.code, message), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

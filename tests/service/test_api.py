@@ -169,6 +169,7 @@ def test_dependencies_down_is_503_not_500() -> None:
         assert ready.json()["redis"] is False and ready.json()["storage"] is False
         job = http.post("/v1/jobs", json={"instruction": "x", "gen_seconds": 1}, headers=auth)
         assert job.status_code == 503 and "Redis" in error_of(job)["message"]
+        assert job.headers["Retry-After"] == "5"
         upload = http.post("/v1/uploads", files={"file": ("a.wav", wav_bytes(0.5), "audio/wav")}, headers=auth)
         assert upload.status_code == 503 and "storage" in error_of(upload)["message"]
 
