@@ -112,14 +112,16 @@ def _clone_ctx(ctx: DiTContext) -> DiTContext:
 class StepGraphs:
     """Per-shape CUDA graphs of a guided Euler step, at most ``max_graphs`` at a time."""
 
-    def __init__(self, dit: AuKDiT, max_graphs: int, compile_blocks: bool = True) -> None:
+    def __init__(self, dit: AuKDiT, max_graphs: int, compile_blocks: bool = True, dynamic: bool = True) -> None:
         self.dit = dit
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _StepGraph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
         if compile_blocks:
             for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
-                block.compile(fullgraph=True, dynamic=False)
+                # Dynamic shapes: one compilation serves every sequence length, so a new shape costs a capture,
+                # not a recompile.
+                block.compile(fullgraph=True, dynamic=dynamic)
 
     def sample(
         self, ctx: DiTContext, x0: Tensor, grid: Tensor, guidance_scale: float, on_step: StepCallback | None = None

@@ -116,7 +116,7 @@ class AuKPipeline:
         device: torch.device,
         precision: Precision,
         model_hashes: dict[str, str],
-        compile_blocks: bool = False,
+        compile_blocks: bool = True,
     ) -> None:
         self.release = release
         self.deploy = deploy

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--dynamic", choices=("yes", "no", "both"), default="both")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -81,15 +82,17 @@ def main(argv: list[str] | None = None) -> int:
                     velocity(x, grid[3], 3)
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
-        if args.compile:
+        dynamics = {"yes": [True], "no": [False], "both": [False, True]}[args.dynamic] if args.compile else []
+        for dynamic in dynamics:
+            torch._dynamo.reset()
             for name, pad in variants:
                 ctx, x = make_ctx(dit, 1, args.text, args.ref, args.frames, pad)
-                graphs = StepGraphs(dit, 4, compile_blocks=True)
+                graphs = StepGraphs(dit, 4, compile_blocks=True, dynamic=dynamic)
                 started = time.perf_counter()
                 graphs.sample(ctx, x, grid, 2.0)
                 compile_s = time.perf_counter() - started
                 graph_s = timed(lambda: graphs.sample(ctx, x, grid, 2.0), 5) / 32
-                print(f"{name:7s} compiled graph {graph_s * 1e3:7.2f} ms/step (first call {compile_s:.1f} s)  "
+                print(f"{name:7s} compiled (dynamic={dynamic}) graph {graph_s * 1e3:7.2f} ms/step (first call {compile_s:.1f} s)  "
                       f"mfu {flops / graph_s / PEAK_FLOPS:.1%}", flush=True)
     return 0
 

@@ -90,7 +90,7 @@ def random_pipeline(
     device: str | torch.device = "cuda",
     precision: Precision = "fast",
     deploy: DeployConfig | None = None,
-    compile_blocks: bool = False,
+    compile_blocks: bool = True,
     seed: int = 0,
 ) -> AuKPipeline:
     """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times)."""

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
 
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        base = random_pipeline("base", args.device, args.precision, compile_blocks=args.compile)
+        base = random_pipeline("base", args.device, args.precision, compile_blocks=not args.no_compile)
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
         flash_pipe = object.__new__(type(base))
         flash_pipe.__dict__.update(base.__dict__, release=flash)
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         "mode": "tiny" if args.tiny else "release-size random weights",
         "precision": base.precision,
         "graphs": base.step_graphs is not None,
-        "compiled_blocks": args.compile and base.step_graphs is not None,
+        "compiled_blocks": not args.no_compile and base.step_graphs is not None,
         "runs": args.runs,
         "startup_s": startup,
         "latency": table,
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="base Euler steps (default: the deploy config's)")
     parser.add_argument("--kinds", nargs="+", default=None, help="which request kinds (default all)")
     parser.add_argument("--seconds", type=int, nargs="+", default=None, help="target lengths (default 3 6 12)")
-    parser.add_argument("--compile", action="store_true", help="compile the DiT blocks before capturing graphs")
+    parser.add_argument("--no-compile", action="store_true", help="graphs of eager kernels (no compiled DiT blocks)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
     if args.runs is None:
