@@ -10,6 +10,7 @@ Nothing here changes what is computed; it changes how the kernels are launched:
   is retired whole before a new capture (the deploy config's rule).
 - The repeated blocks are compiled (regional ``torch.compile``) before capture when ``compile_blocks`` is set, so
   the graph replays fused kernels.
+- ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes.
 - ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
   buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket.
 
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from auk_worker.model.dit import AuKDiT, DiTContext
+from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.sampling import MAX_STEPS, cfg_combine
 from auk_worker.model.vae import AuKVAE
 
@@ -180,3 +182,51 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = self.vae.decode(static_in)
         return graph, static_in, static_out
+
+
+class EncoderGraphs:
+    """The thinker's text model and the layer fusion replayed from CUDA graphs at fixed prompt sizes.
+
+    A prompt of ``nt`` tokens runs in the smallest capture size that holds it, right-padded with zero embeddings:
+    attention is causal, so padding after the prompt cannot reach its positions. Prompts longer than the largest
+    size run eager (the deploy config's ``cudagraph_capture_sizes`` rule). The audio tower and the embedding
+    lookup stay eager: they run before, on the prompt's own length.
+    """
+
+    def __init__(self, encoder: ThinkerEncoder, sizes: tuple[int, ...]) -> None:
+        self.encoder = encoder
+        self.sizes = tuple(sorted(sizes))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture_all(self) -> None:
+        for size in self.sizes:
+            self._graph(size)
+
+    def fuse(self, embeds: Tensor) -> Tensor | None:  # [1, nt, d] -> [1, nt, d] fp32, or None when too long
+        nt = embeds.shape[1]
+        size = next((s for s in self.sizes if s >= nt), None)
+        if size is None or embeds.shape[0] != 1:
+            return None
+        graph, static_in, static_out = self._graph(size)
+        static_in.zero_()
+        static_in[:, :nt].copy_(embeds)
+        graph.replay()
+        return static_out[:, :nt].clone()
+
+    def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        if size not in self.graphs:
+            trunk = self.encoder.trunk
+            weight = trunk.model.embed_tokens.weight
+            static_in = torch.zeros(1, size, weight.shape[1], device=weight.device, dtype=weight.dtype)
+            stream = torch.cuda.Stream(weight.device)
+            stream.wait_stream(torch.cuda.current_stream(weight.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.encoder.fuse(static_in)
+            torch.cuda.current_stream(weight.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_out = self.encoder.fuse(static_in)
+            self.graphs[size] = (graph, static_in, static_out)
+        return self.graphs[size]

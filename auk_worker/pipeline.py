@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from auk_worker.accel import DecodeGraphs, StepGraphs
+from auk_worker.accel import DecodeGraphs, EncoderGraphs, StepGraphs
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
@@ -134,6 +134,10 @@ class AuKPipeline:
         if device.type == "cuda" and not deploy.dit.enforce_eager:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
+        if device.type == "cuda" and not deploy.encoder.enforce_eager:
+            sizes = deploy.encoder.compilation_config.cudagraph_capture_sizes
+            if deploy.encoder.compilation_config.cudagraph_mode != "NONE" and sizes:
+                encoder.graphs = EncoderGraphs(encoder, sizes)
 
     @property
     def variant(self) -> str:
@@ -193,6 +197,8 @@ class AuKPipeline:
         """On the graph path, capture the common shapes now rather than on the first jobs: the deploy config's
         warm-up target lengths, text-only and with a reference, and the VAE decode buckets."""
         started = time.perf_counter()
+        if self.encoder.graphs is not None:
+            self.encoder.graphs.capture_all()
         if self.step_graphs is not None:
             model_config = self.deploy.dit.model_config
             clip = AudioClip(samples=np.zeros(3 * SAMPLE_RATE, dtype=np.float32), sample_rate=SAMPLE_RATE)

@@ -27,11 +27,10 @@ from bench.common import environment, median, write_result
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
 
 PEAK_FLOPS = 790e12
-INSTRUCT = (
-    'Generate speech based on the following description: "A calm, warm female voice, close to the microphone." '
-    'The content to speak is: "Thanks for calling. Your order shipped this morning and arrives on Friday."'
-)
-ZERO_SHOT = 'Say the following with the same voice: "Thanks for calling. Your order shipped this morning."'
+# The random-weight pipelines tokenize with the tiny byte-level tokenizer, which gives about 1.5x the tokens Qwen's
+# gives for the same text (its chat template alone is 61 tokens); `text_tokens` in the results is what ran.
+INSTRUCT = 'Generate speech based on the following description: "A calm voice." The content to speak is: "Your order ships today."'
+ZERO_SHOT = 'Say the following with the same voice: "Your order ships today."'
 # (name, variant, instruction, reference seconds)
 KINDS = [
     ("base zero-shot", "base", ZERO_SHOT, 5.0),

@@ -290,11 +290,21 @@ class ThinkerTrunk(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        attention_mask: Tensor,
+        attention_mask: Tensor | None = None,
         input_features: Tensor | None = None,
         feature_attention_mask: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
-        """All hidden states of the text model: the embeddings, then each layer's output, the last final-normed."""
+        """All hidden states of the text model: the embeddings, then each layer's output, the last final-normed.
+
+        One unpadded prompt at a time: ``attention_mask`` (the processor's, all ones) is accepted and checked."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ModelError("the thinker trunk encodes one unpadded prompt; got a padded attention mask")
+        return self.text_hidden_states(self.embed(input_ids, input_features, feature_attention_mask))
+
+    def embed(
+        self, input_ids: Tensor, input_features: Tensor | None = None, feature_attention_mask: Tensor | None = None
+    ) -> Tensor:
+        """Token embeddings with the audio tower's outputs at the audio placeholder positions: [b, nt, d]."""
         embeds = self.model.embed_tokens(input_ids)  # [b, nt, d]
         if input_features is not None:
             audio = self.embed_audio(input_features, feature_attention_mask)  # [na, d]
@@ -302,12 +312,15 @@ class ThinkerTrunk(nn.Module):
             if int(slots.sum()) != audio.shape[0]:
                 raise ModelError(f"prompt has {int(slots.sum())} audio tokens, the audio tower made {audio.shape[0]}")
             embeds = embeds.masked_scatter(slots.unsqueeze(-1), audio.to(embeds.dtype))
+        return embeds
+
+    def text_hidden_states(self, embeds: Tensor) -> tuple[Tensor, ...]:
+        """The text model over embeddings of one unpadded prompt (or one right-padded: attention is causal)."""
         # Without images or video, M-RoPE's three sections share one index: plain positions 0..nt-1.
-        b, nt = input_ids.shape
-        positions = torch.arange(nt, device=input_ids.device).expand(3, b, nt)  # [3, b, nt]
+        b, nt = embeds.shape[:2]
+        positions = torch.arange(nt, device=embeds.device).expand(3, b, nt)  # [3, b, nt]
         out = self.model(
             inputs_embeds=embeds,
-            attention_mask=attention_mask,
             position_ids=positions,
             use_cache=False,
             output_hidden_states=True,
@@ -411,6 +424,7 @@ class ThinkerEncoder:
         self.layer_weights = layer_weights.detach().to(self.device, torch.float32)
         self.layer_scale = layer_scale.detach().to(self.device, torch.float32)
         self.hidden_size = trunk.model.config.hidden_size
+        self.graphs = None  # set by the GPU fast path: replays `fuse` from CUDA graphs at fixed prompt sizes
 
     @classmethod
     def load(
@@ -443,6 +457,12 @@ class ThinkerEncoder:
     def encode(self, instruction: str, audio_16k: np.ndarray | None) -> tuple[Tensor, Tensor]:
         """One thinker forward: (fused condition fp32 [1, nt, d], text mask bool [1, nt])."""
         batch = {name: t.to(self.device) for name, t in self.processor(instruction, audio_16k).items()}
-        hidden_states = self.trunk(**batch)
-        condition = fuse_hidden_states(hidden_states, self.layer_weights, self.layer_scale)  # [1, nt, d]
+        embeds = self.trunk.embed(batch["input_ids"], batch.get("input_features"), batch.get("feature_attention_mask"))
+        condition = self.graphs.fuse(embeds) if self.graphs is not None else None  # [1, nt, d] or None
+        if condition is None:
+            condition = self.fuse(embeds)
         return condition, batch["attention_mask"].bool()
+
+    def fuse(self, embeds: Tensor) -> Tensor:
+        """Embeddings [1, nt, d] -> fused condition fp32 [1, nt, d] (the text model and the layer fusion)."""
+        return fuse_hidden_states(self.trunk.text_hidden_states(embeds), self.layer_weights, self.layer_scale)
