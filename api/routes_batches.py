@@ -2,9 +2,11 @@
 
 Every line is validated first (JSON, ``JobRequest``, a ``custom_id`` unique within the batch, the clip, the
 length rule). If any line is bad, the answer is 422 with ``{"line", "message"}`` for each bad line and nothing
-is written or enqueued. Otherwise all records and the batch are written in one transaction, then each job is
-sent to its variant's bulk queue. When the batch's last job finishes, the worker writes a JSONL manifest next to
-the WAVs; ``GET /v1/batches/{id}`` links it.
+is written or enqueued. Otherwise all records and the batch are written in one transaction, then the jobs go to
+their variant's bulk queue: as ``auk.render_group`` tasks of compatible jobs (same schedule, similar lengths, at
+most the deploy config's stage 1 ``max_num_seqs`` each; ``auk_worker/service/grouping.py``) that a worker renders
+in shared DiT passes, or one ``auk.render`` task a job when ``max_num_seqs`` is 1. When the batch's last job
+finishes, the worker writes a JSONL manifest next to the WAVs; ``GET /v1/batches/{id}`` links it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from api.app import Services, services
 from api.auth import caller
 from api.errors import ApiError, batch_state, describe_validation_errors, not_found, summarize, too_large
 from api.routes_jobs import ClipResolver, prepare, send_render
-from auk_worker.service.celery_app import queue_name
 from auk_worker.errors import InfraError, InputError
+from auk_worker.service.celery_app import queue_name
+from auk_worker.service.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
 from auk_worker.service.jobs import JobRecord
 from auk_worker.service.schema import JobRequest
 
@@ -144,15 +147,33 @@ def _enqueue_batch(svc: Services, owner: str, text: str) -> dict:
         for req, prepared in good
     ]
     batch_id = svc.store.create_batch(owner, records)
-    for sent, record in enumerate(records):
+    max_jobs, defaults = group_limits(svc.settings.deploy_config)
+    groups = plan_groups(records, max_jobs, defaults) if max_jobs > 1 else [[record] for record in records]
+    for sent, group in enumerate(groups):
         try:
-            send_render(svc, record)
+            send_group(svc, group)
         except InfraError:
-            for unsent in records[sent + 1:]:
-                svc.store.fail(unsent.id, InfraError.code, "the batch could not be enqueued: the broker refused")
+            for unsent in groups[sent + 1:]:
+                for record in unsent:
+                    svc.store.fail(record.id, InfraError.code, "the batch could not be enqueued: the broker refused")
             raise
-    log.info("batch %s: %d jobs queued for owner %s", batch_id, len(records), owner)
+    log.info("batch %s: %d jobs queued as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)
     return {"id": batch_id, "total": len(records)}
+
+
+def send_group(svc: Services, group: list[JobRecord]) -> None:
+    """One task for a group: ``auk.render`` for a lone job, ``auk.render_group`` otherwise; a refused send fails
+    the group's records (as ``send_render`` does for one)."""
+    if len(group) == 1:
+        send_render(svc, group[0])
+        return
+    try:
+        svc.celery.send_task(RENDER_GROUP_TASK, args=[[record.id for record in group]], queue=group[0].queue)
+    except Exception as exc:  # the broker's connection errors vary by transport; the boundary is here
+        message = f"the job could not be enqueued: {exc}"
+        for record in group:
+            svc.store.fail(record.id, InfraError.code, message)
+        raise InfraError(message) from exc
 
 
 @router.get("/batches/{batch_id}", summary="Read a batch: counts by status and, when done, its manifest")
