@@ -17,7 +17,9 @@ from urllib.parse import urlparse
 from auk_worker.errors import ConfigError
 
 VARIANTS = ("base", "flash")
-PIPELINES = ("auk", "instant")
+# AUK_PIPELINE: ``auk`` loads AUK_CHECKPOINT; ``instant`` is the model-free fake of the queue-overhead benchmark and
+# the fault tests; ``random-release`` (benchmark only: bench/throughput.py) builds release-size random weights.
+PIPELINES = ("auk", "instant", "random-release")
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:

@@ -1,8 +1,15 @@
-"""The render task: start the record, fetch the clip, render, upload the WAV, record the result.
+"""The render tasks: start the record, fetch the clip, render, upload the WAV, record the result.
 
 ``render_job`` is the whole job as one plain function over a ``RenderRuntime`` (pipeline, store, storage,
 heartbeat), so it reads top to bottom and can be called without Celery. ``register`` binds it to a Celery app as
 ``auk.render`` and is the process boundary: it turns each error family into the record's final state.
+
+``render_group`` is the bulk path (``auk.render_group``, a list of job ids sent by ``POST /v1/batches``): the same
+steps for several jobs, with one ``pipeline.render_batch`` call so that compatible jobs share DiT passes. Every
+job keeps its own record, seed, WAV and failure: a bad clip or a failed render fails that job alone, a job
+canceled mid-render is dropped while its neighbours go on, and an infrastructure error retries only the jobs it
+touched (as a smaller group). A job that was running when a worker died (``kills`` > 0) is rendered alone, so a
+job that crashes the model cannot take its neighbours' attempts with it.
 
 - ``InputError`` (bad audio, a missing key, clip plus target over 30 s): failed at once, never retried.
 - ``InfraError`` (storage or Redis unreachable): the attempt lets go of the record (back to ``queued``) and Celery
@@ -35,6 +42,7 @@ from celery import Celery, Task
 from auk_worker.audio import decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory
 from auk_worker.service.celery_app import RENDER_TASK
+from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.schema import JobRequest, check_total_length
@@ -54,6 +62,8 @@ class Pipeline(Protocol):
     model_hashes: dict[str, str]
 
     def render(self, request: RenderRequest, on_step: Any = None) -> RenderResult: ...
+
+    def render_batch(self, requests: list[RenderRequest], on_step: Any = None) -> list[RenderResult | AuKError]: ...
 
 
 @dataclass
@@ -76,6 +86,18 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
 
     Raises ``InputError``, ``InfraError``, ``Canceled``, ``ModelError`` for the boundary to record.
     """
+    record = _begin(rt, job_id)
+    if record is None or record.terminal:
+        return record
+    request, render_request = _prepare(rt, record)
+    progress = _Progress(rt, [job_id])
+    result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
+    return _store_result(rt, job_id, request, result)
+
+
+def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
+    """Start the record: None for a delivery with nothing to do; a terminal record when the job crashed its
+    workers too often (failed here); else the running record."""
     record = rt.store.start(job_id, rt.holder)
     if record is None:
         _skip(rt, job_id)
@@ -85,7 +107,11 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
         message = (f"the job's worker died {record.kills} times while rendering it; "
                    "it is not tried again (a clip or parameters that crash the model?)")  # fmt: skip
         return _fail(rt, job_id, "worker_crashed", message)
+    return record
 
+
+def _prepare(rt: RenderRuntime, record: JobRecord) -> tuple[JobRequest, RenderRequest]:
+    """The record's validated request and the pipeline's request (clip fetched and decoded, length checked)."""
     request = JobRequest.model_validate({k: v for k, v in record.request.items() if k in _REQUEST_FIELDS})
     clip = _load_clip(rt, request)
     check_total_length(request, clip.duration_s if clip else None)
@@ -98,21 +124,42 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
         sway=request.sway,
         seed=request.seed,
     )
+    return request, render_request
 
-    last_write = 0.0
 
-    def on_step(step: int, total: int) -> None:
-        # Progress (and the cancel check riding on it) at most every PROGRESS_INTERVAL_S, plus the last step.
-        nonlocal last_write
+class _Progress:
+    """The step callback: progress (and the cancel check riding on it) written to each job's record at most every
+    ``PROGRESS_INTERVAL_S``, plus the last step.
+
+    One job (``on_cancel`` None): a cancel raises ``Canceled`` and the render stops. Several jobs: a canceled job
+    is reported to ``on_cancel`` and no longer written; the render stops only once every job is canceled.
+    """
+
+    def __init__(self, rt: RenderRuntime, job_ids: list[str], on_cancel: Any = None) -> None:
+        self.rt = rt
+        self.live = list(job_ids)
+        self.on_cancel = on_cancel
+        self.last_write = 0.0
+
+    def __call__(self, step: int, total: int) -> None:
         now = time.monotonic()
-        if step < total and now - last_write < PROGRESS_INTERVAL_S:
+        if step < total and now - self.last_write < PROGRESS_INTERVAL_S:
             return
-        last_write = now
-        if rt.store.set_progress(job_id, step, total) == JobStatus.CANCELED:
-            raise Canceled(f"job {job_id} was canceled at step {step} of {total}")
+        self.last_write = now
+        for job_id in list(self.live):
+            if self.rt.store.set_progress(job_id, step, total) != JobStatus.CANCELED:
+                continue
+            if self.on_cancel is None:
+                raise Canceled(f"job {job_id} was canceled at step {step} of {total}")
+            log.info("job %s: canceled at step %d of %d; its group goes on", job_id, step, total)
+            self.live.remove(job_id)
+            self.on_cancel(job_id)
+        if not self.live:
+            raise Canceled(f"every job of the group was canceled by step {step} of {total}")
 
-    result = rt.pipeline.render(render_request, on_step=on_step)  # the last step always checks for a cancel
 
+def _store_result(rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult) -> JobRecord | None:
+    """Upload the WAV and record the success (and the batch manifest when this was the batch's last job)."""
     key = result_key(rt.settings.s3_prefix, job_id)
     rt.storage.put_wav(key, write_wav(result.waveform, result.sample_rate, request.output_format),
                        _metadata(job_id, request, result, rt.pipeline.variant))  # fmt: skip
@@ -126,6 +173,73 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     if outcome.batch_done and outcome.record.batch_id:
         write_manifest(rt, outcome.record.batch_id)
     return outcome.record
+
+
+# ---------------------------------------------------------------------------------------------------- the group
+
+
+@dataclass
+class _Member:
+    """One started job of a group, ready to render."""
+
+    job_id: str
+    record: JobRecord
+    request: JobRequest
+    render_request: RenderRequest
+
+
+def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
+    """Run a group of bulk jobs to their recorded ends, sharing DiT passes; each job's outcome is its own.
+
+    Returns the jobs an infrastructure error stopped (id -> error), for the boundary to retry; every other job
+    is terminal (or was skipped) when this returns.
+    """
+    retry: dict[str, Exception] = {}
+    members: list[_Member] = []
+    for job_id in job_ids:
+        try:
+            record = _begin(rt, job_id)
+            if record is None or record.terminal:
+                continue
+            request, render_request = _prepare(rt, record)  # a bad or missing clip fails this job only
+        except Exception as exc:  # noqa: BLE001 - recorded per job
+            _settle_into(rt, job_id, exc, retry)
+            continue
+        members.append(_Member(job_id, record, request, render_request))
+    # A job that was running when a worker died may be what killed it: it renders alone, after the others.
+    together = [m for m in members if m.record.kills == 0]
+    alone = [[m] for m in members if m.record.kills > 0]
+    for pass_members in ([together] if together else []) + alone:
+        retry.update(_render_members(rt, pass_members))
+    return retry
+
+
+def _render_members(rt: RenderRuntime, members: list[_Member]) -> dict[str, Exception]:
+    """One ``render_batch`` call over started jobs, then an upload and a record per job."""
+    ids = [m.job_id for m in members]
+    log.info("group of %d: rendering %s", len(members), ", ".join(ids))
+    canceled: set[str] = set()
+    progress = _Progress(rt, ids, on_cancel=canceled.add)
+    retry: dict[str, Exception] = {}
+    try:
+        results: list[RenderResult | Exception] = rt.pipeline.render_batch(
+            [m.render_request for m in members], on_step=progress
+        )
+    except Exception as exc:  # noqa: BLE001 - the whole call failed (every job canceled, or no pass ran)
+        results = [exc] * len(members)
+    for member, result in zip(members, results):
+        job_id = member.job_id
+        try:
+            if job_id in canceled or rt.store.is_canceled(job_id):
+                log.info("job %s: canceled during its group's render; result dropped", job_id)
+                _after_terminal(rt, job_id, None)
+                continue
+            if isinstance(result, Exception):
+                raise result
+            _store_result(rt, job_id, member.request, result)
+        except Exception as exc:  # noqa: BLE001 - recorded per job
+            _settle_into(rt, job_id, exc, retry)
+    return retry
 
 
 def _load_clip(rt: RenderRuntime, request: JobRequest) -> AudioClip | None:
@@ -236,62 +350,107 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def register(app: Celery, runtime: RenderRuntime) -> Task:
-    """Bind ``auk.render`` to ``app``, running every job in ``runtime``; returns the task."""
+def _settle(rt: RenderRuntime, job_id: str, exc: BaseException) -> bool:
+    """Record how an attempt at ``job_id`` ended with ``exc``. True for an infrastructure error (storage or Redis
+    unreachable): the record is left as it is and the caller retries the job."""
+    if isinstance(exc, Canceled):
+        log.info("job %s: %s", job_id, exc)
+        _after_terminal(rt, job_id, None)
+    elif isinstance(exc, (InfraError, redis.ConnectionError, redis.TimeoutError)):
+        return True
+    elif isinstance(exc, OutOfMemory) or _is_cuda_oom(exc):
+        _empty_cuda_cache()
+        message = exc.message if isinstance(exc, AuKError) else f"the GPU ran out of memory: {exc}"
+        _fail(rt, job_id, "out_of_memory", message)
+    elif isinstance(exc, (InputError, ModelError)):
+        _fail(rt, job_id, exc.code, exc.message)
+    else:
+        log.error("job %s: unexpected error", job_id, exc_info=exc)
+        code = exc.code if isinstance(exc, AuKError) else "internal"
+        _fail(rt, job_id, code, f"{type(exc).__name__}: {exc}")
+    return False
+
+
+def _settle_into(rt: RenderRuntime, job_id: str, exc: BaseException, retry: dict[str, Exception]) -> None:
+    """``_settle`` for one job of a group: a job to retry (or whose record could not be written, storage or
+    Redis being down) goes into ``retry``; the group's other jobs go on."""
+    try:
+        stopped = _settle(rt, job_id, exc)
+    except (InfraError, redis.ConnectionError, redis.TimeoutError) as again:
+        stopped, exc = True, again
+    if stopped:
+        retry[job_id] = exc  # type: ignore[assignment]
+
+
+def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
+    """Bind ``auk.render`` and ``auk.render_group`` to ``app``, running every job in ``runtime``."""
     settings = runtime.settings
 
     @app.task(name=RENDER_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
     def render(self: Task, job_id: str) -> None:
         started = time.perf_counter()
-        heartbeat = runtime.heartbeat
-        if heartbeat is not None:
-            heartbeat.set("busy", job_id)
+        _busy(runtime, job_id)
         try:
             render_job(runtime, job_id)
-        except Canceled as exc:
-            log.info("job %s: %s", job_id, exc)
-            _after_terminal(runtime, job_id, None)
-        except InputError as exc:
-            _fail(runtime, job_id, exc.code, exc.message)
-        except (InfraError, redis.ConnectionError, redis.TimeoutError) as exc:
-            _retry_or_fail(self, runtime, job_id, exc)
-        except OutOfMemory as exc:
-            _empty_cuda_cache()
-            _fail(runtime, job_id, exc.code, exc.message)
-        except ModelError as exc:
-            _fail(runtime, job_id, exc.code, exc.message)
         except Exception as exc:  # noqa: BLE001 - the process boundary: every job ends with a record
-            if _is_cuda_oom(exc):
-                _empty_cuda_cache()
-                _fail(runtime, job_id, "out_of_memory", f"the GPU ran out of memory: {exc}")
-            else:
-                log.exception("job %s: unexpected error", job_id)
-                code = exc.code if isinstance(exc, AuKError) else "internal"
-                _fail(runtime, job_id, code, f"{type(exc).__name__}: {exc}")
+            if _settle(runtime, job_id, exc):
+                _retry_or_fail(self, runtime, {job_id: exc}, lambda ids: [ids[0]])
         finally:
-            if heartbeat is not None:
-                heartbeat.set("ready")
+            _ready(runtime)
             log.debug("job %s: task took %.1f ms", job_id, (time.perf_counter() - started) * 1000)
 
-    return render
+    @app.task(name=RENDER_GROUP_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
+    def render_group_task(self: Task, job_ids: list[str]) -> None:
+        started = time.perf_counter()
+        _busy(runtime, ",".join(job_ids))
+        try:
+            retry = render_group(runtime, job_ids)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis went away between jobs: all again
+            retry = {job_id: exc for job_id in job_ids}
+        finally:
+            _ready(runtime)
+        log.debug("group of %d: task took %.1f ms", len(job_ids), (time.perf_counter() - started) * 1000)
+        if retry:  # only the jobs an infrastructure error stopped, as a smaller group; finished ones stay done
+            _retry_or_fail(self, runtime, retry, lambda ids: [ids])
+
+    return render, render_group_task
 
 
-def _retry_or_fail(task: Task, rt: RenderRuntime, job_id: str, exc: Exception) -> None:
-    """Let go of the record and have Celery send the job again after a backoff; fail it once retries run out."""
+def _busy(rt: RenderRuntime, what: str) -> None:
+    if rt.heartbeat is not None:
+        rt.heartbeat.set("busy", what)
+
+
+def _ready(rt: RenderRuntime) -> None:
+    if rt.heartbeat is not None:
+        rt.heartbeat.set("ready")
+
+
+def _retry_or_fail(task: Task, rt: RenderRuntime, stopped: dict[str, Exception], args_for: Any) -> None:
+    """Let go of each stopped job's record and have Celery send the task again (``args_for(job ids)``) after a
+    backoff; fail the jobs once retries run out."""
     retries = task.request.retries
-    message = exc.message if isinstance(exc, AuKError) else f"Redis unreachable: {exc}"
-    try:
-        if retries >= rt.settings.retry_max:
-            _fail(rt, job_id, "infrastructure", f"gave up after {retries + 1} attempts: {message}")
-            return
-        rt.store.requeue(job_id)
-    except (InfraError, redis.RedisError) as again:
-        # Redis itself is down: the record cannot be touched; the redelivered message will find it running
-        # under this holder, which counts no kill.
-        log.warning("job %s: record not updated (%s)", job_id, again)
-        if retries >= rt.settings.retry_max:
-            raise
+    give_up = retries >= rt.settings.retry_max
+    for job_id, exc in stopped.items():
+        message = exc.message if isinstance(exc, AuKError) else f"Redis unreachable: {exc}"
+        try:
+            if give_up:
+                _fail(rt, job_id, "infrastructure", f"gave up after {retries + 1} attempts: {message}")
+            else:
+                rt.store.requeue(job_id)
+        except (InfraError, redis.RedisError) as again:
+            # Redis itself is down: the record cannot be touched; the redelivered message will find it running
+            # under this holder, which counts no kill.
+            log.warning("job %s: record not updated (%s)", job_id, again)
+            if give_up:
+                raise
+        if not give_up:
+            log.warning("job %s: %s; retry %d of %d", job_id, message, retries + 1, rt.settings.retry_max)
+    if give_up:
+        return
     countdown = rt.settings.retry_backoff_s * 2**retries
-    log.warning("job %s: %s; retry %d of %d in %.1f s", job_id, message, retries + 1, rt.settings.retry_max, countdown)
+    log.info("retrying %d job(s) in %.1f s", len(stopped), countdown)
     queue = (task.request.delivery_info or {}).get("routing_key")
-    raise task.retry(countdown=countdown, max_retries=rt.settings.retry_max, queue=queue) from exc
+    cause = next(iter(stopped.values()))
+    raise task.retry(args=args_for(list(stopped)), countdown=countdown, max_retries=rt.settings.retry_max,
+                     queue=queue) from cause  # fmt: skip

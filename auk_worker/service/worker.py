@@ -34,15 +34,23 @@ log = logging.getLogger(__name__)
 
 
 def load_pipeline(settings: Settings, deploy=None) -> Pipeline:
-    """The real pipeline from ``AUK_CHECKPOINT``, or the instant fake when ``AUK_PIPELINE=instant``."""
+    """The real pipeline from ``AUK_CHECKPOINT``; the instant fake for ``AUK_PIPELINE=instant``; for
+    ``AUK_PIPELINE=random-release`` (benchmarks only: release-size random weights, audio is noise) the pipeline of
+    ``bench/models.py``, built on the deploy config's device at its precision."""
     if settings.pipeline == "instant":
         from auk_worker.service.instant import InstantPipeline
 
         return InstantPipeline.from_env(settings.variant or "base")
     from auk_worker.deploy import load_deploy_config
-    from auk_worker.pipeline import AuKPipeline
+    from auk_worker.pipeline import AuKPipeline, resolve_device, resolve_precision
 
     deploy = deploy or load_deploy_config(settings.deploy_config)
+    if settings.pipeline == "random-release":
+        from bench.models import random_pipeline  # the repository root is on the path: a benchmark worker
+
+        device = resolve_device(deploy.dit.devices)
+        log.warning("worker: AUK_PIPELINE=random-release: random weights at release size, for benchmarks only")
+        return random_pipeline(settings.variant or "base", device, resolve_precision(deploy.dit.dtype, device), deploy)
     return AuKPipeline.load(settings.checkpoint, deploy)
 
 
