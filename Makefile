@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 # The CPU build of torch lies on local disk for this pin; a GPU host brings its own CUDA torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test test-fast bench-cpu clean
+# run: the service stays up after the demo batch until Ctrl-C; demo-once: it stops after the batch.
+.PHONY: setup run demo-once test test-fast bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ setup: $(VENV)/.installed
 
 run: setup
 	$(PY) -m auk_worker.demo
+
+demo-once: setup
+	$(PY) -m auk_worker.demo --once
 
 test: setup
 	$(PY) -m pytest -q

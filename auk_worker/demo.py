@@ -1,0 +1,320 @@
+"""``python -m auk_worker.demo`` (``make run``): the whole service on this machine, then a demo batch through it.
+
+It starts, under ``./run/`` (``--workdir``): a private ``redis-server``, a SeaweedFS S3 server (``weed``), one
+worker process and the API on 127.0.0.1:${AUK_API_PORT:-8000}. The worker serves the checkpoint in
+``AUK_CHECKPOINT`` when it is set (real weights; the variant is the checkpoint's own), otherwise a tiny
+checkpoint with random weights written to ``./run/tiny-checkpoint`` (its audio is noise). The API key and the S3
+credentials are made up for this run and printed.
+
+Once a worker is ready it submits a small batch of instruct-TTS jobs over the REST API, follows it, downloads the
+WAVs to ``./run/out/`` and prints where they are, locally and in the bucket. Then the service keeps running for
+your own requests until Ctrl-C or SIGTERM (``--once`` stops it after the batch); every child process is stopped on
+the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from auk_worker.service.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, port_free
+
+SAMPLE_RATE = 24_000
+HOP = 480  # samples per latent frame at 24 kHz
+BUCKET = "auk"
+PREFIX = "demo"
+TINY_STEPS = 4  # the tiny checkpoint renders noise, so a few steps show the path without waiting for 32
+
+DEMO_LINES = [
+    ("demo-1", 1.0, "A calm, low female voice, close to the microphone.", "Good morning, and welcome."),
+    ("demo-2", 1.5, "An energetic young man, speaking quickly.", "The results are in, and they look great."),
+    ("demo-3", 2.0, "An elderly storyteller with a warm, slow voice.", "Once upon a time, by the sea."),
+    ("demo-4", 1.2, "A clear, natural voice.", "Thank you for listening."),
+]
+
+
+class Stop(Exception):
+    """Raised from the signal handler: SIGINT or SIGTERM asked the demo to stop."""
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def instruct_tts(description: str, text: str) -> str:
+    """The upstream instruct-TTS template (the description first, then the words to speak)."""
+    return f'Generate speech based on the following description: "{description}". The content to speak is: "{text}".'
+
+
+def expected_samples(gen_seconds: float) -> int:
+    return math.ceil(50 * gen_seconds) * HOP
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _checkpoint(workdir: Path) -> tuple[Path, str, bool]:
+    """(checkpoint directory, variant, is_tiny): ``AUK_CHECKPOINT`` if set, else a fresh tiny base checkpoint."""
+    configured = os.environ.get("AUK_CHECKPOINT", "").strip()
+    if configured:
+        from auk_worker.checkpoint import read_release
+
+        release = read_release(configured)
+        return Path(configured).resolve(), release.variant, False
+    from auk_worker.tiny import make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(workdir / "tiny-checkpoint", variant="base")
+    return Path(out).resolve(), "base", True
+
+
+def _batch_jsonl(is_tiny: bool) -> str:
+    lines = []
+    for custom_id, seconds, description, text in DEMO_LINES:
+        job = {"custom_id": custom_id, "instruction": instruct_tts(description, text), "gen_seconds": seconds}
+        if is_tiny:
+            job["num_inference_steps"] = TINY_STEPS
+        lines.append(json.dumps(job))
+    return "\n".join(lines) + "\n"
+
+
+def _wait_ready(http: httpx.Client, worker: WorkerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if worker.proc is not None and worker.proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with status {worker.proc.returncode}:\n{worker.log_tail()}")
+        try:
+            body = http.get("/readyz").json()
+            if body.get("workers_ready", 0) >= 1:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no worker became ready within {timeout:.0f} s:\n{worker.log_tail()}")
+        time.sleep(0.5)
+
+
+def _follow_batch(http: httpx.Client, batch_id: str, total: int, timeout: float) -> dict:
+    """Poll the batch until it is done: a progress bar on a terminal, a line per change otherwise."""
+    from tqdm import tqdm
+
+    deadline = time.monotonic() + timeout
+    bar = tqdm(total=total, unit="job", desc="demo batch", file=sys.stdout, disable=not sys.stdout.isatty())
+    last = ""
+    try:
+        while True:
+            batch = http.get(f"/v1/batches/{batch_id}").raise_for_status().json()
+            counts = batch["counts"]
+            label = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+            bar.n = sum(counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
+            bar.set_postfix_str(label, refresh=False)
+            bar.refresh()
+            if bar.disable and label != last:
+                say(f"  batch: {label}")
+                last = label
+            if batch["status"] == "done":
+                return batch
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the demo batch did not finish within {timeout:.0f} s: {label}")
+            time.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def _download(url: str, dest: Path) -> None:
+    response = httpx.get(url, timeout=60)  # presigned: the URL carries its own signature
+    response.raise_for_status()
+    dest.write_bytes(response.content)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    workdir = args.workdir.resolve()
+    out_dir = workdir / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = int(os.environ.get("AUK_API_PORT", "8000"))
+    if not port_free(port):
+        say(f"error: 127.0.0.1:{port} is in use; choose another port with AUK_API_PORT=... (e.g. 8001)")
+        return 2
+
+    checkpoint, variant, is_tiny = _checkpoint(workdir)
+    deploy_default = REPO / "config" / ("auk-flash.yaml" if variant == "flash" else "auk.yaml")
+    deploy = Path(os.environ.get("AUK_DEPLOY_CONFIG", "").strip() or deploy_default).resolve()
+    if is_tiny:
+        say(f"checkpoint: {checkpoint} (tiny, random weights: the WAVs are noise; set AUK_CHECKPOINT to a release "
+            f"directory from `auk download` for speech)")
+    else:
+        say(f"checkpoint: {checkpoint} ({variant})")
+
+    api_key = f"auk-demo-{secrets.token_urlsafe(18)}"
+    redis_server = RedisServer(workdir / "redis")
+    s3 = S3Server(workdir / "s3")  # random credentials for this run
+    worker: WorkerProcess | None = None
+    api: ApiProcess | None = None
+    try:
+        say(f"starting redis-server and SeaweedFS S3 (logs and data under {workdir})")
+        redis_server.start()
+        s3.start()
+        env = {
+            "AUK_REDIS_URL": redis_server.url,
+            "AUK_S3_ENDPOINT": s3.endpoint,
+            "AUK_S3_ACCESS_KEY": s3.access_key,
+            "AUK_S3_SECRET_KEY": s3.secret_key,
+            "AUK_S3_REGION": s3.region,
+            "AUK_S3_BUCKET": BUCKET,
+            "AUK_S3_INPUT_BUCKET": BUCKET,
+            "AUK_S3_PREFIX": PREFIX,
+            "AUK_VARIANT": variant,
+            "AUK_PIPELINE": "auk",
+            "AUK_CHECKPOINT": str(checkpoint),
+            "AUK_DEPLOY_CONFIG": str(deploy),
+        }
+        say(f"starting the worker ({variant}, {deploy.name}) and the API on 127.0.0.1:{port}")
+        worker = WorkerProcess(env, "demo-worker", workdir).start()
+        api = ApiProcess({**env, "AUK_API_KEYS": api_key}, port, workdir / "api.log").start()
+        _write_env_file(workdir / "demo.env", api.url, api_key, env)
+
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as http:
+            say("waiting for the worker to load the model ...")
+            started = time.monotonic()
+            _wait_ready(http, worker, args.ready_timeout)
+            say(f"worker ready after {time.monotonic() - started:.1f} s")
+            started = time.monotonic()
+            results = _submit_and_fetch(http, is_tiny, out_dir, args.batch_timeout)
+            say(f"batch rendered and downloaded in {time.monotonic() - started:.1f} s")
+        _print_summary(results, api.url, api_key, s3, workdir, is_tiny)
+        if args.once:
+            return 0
+        say("\nthe service keeps running; Ctrl-C stops it")
+        while True:
+            for name, proc in (("worker", worker.proc), ("API", api.proc), ("redis-server", redis_server.proc),
+                               ("SeaweedFS", s3.proc)):  # fmt: skip
+                if proc is not None and proc.poll() is not None:
+                    say(f"error: the {name} exited with status {proc.returncode}; see its log under {workdir}")
+                    return 1
+            time.sleep(1.0)
+    except Stop as stop:
+        say(f"\n{stop}: stopping")
+        return 0
+    except RuntimeError as exc:
+        say(f"error: {exc}")
+        return 1
+    finally:
+        _shutdown(api, worker, s3, redis_server)
+
+
+def _submit_and_fetch(http: httpx.Client, is_tiny: bool, out_dir: Path, timeout: float) -> list[dict]:
+    body = _batch_jsonl(is_tiny)
+    response = http.post("/v1/batches", content=body, headers={"Content-Type": "application/x-ndjson"})
+    if response.is_error:
+        raise RuntimeError(f"the API refused the demo batch: HTTP {response.status_code} {response.text[:500]}")
+    batch = response.json()
+    steps = f"{TINY_STEPS} steps (tiny checkpoint)" if is_tiny else "the deploy config's steps"
+    say(f"submitted batch {batch['id']}: {batch['total']} instruct-TTS jobs of 1-2 s, {steps}")
+    batch = _follow_batch(http, batch["id"], batch["total"], timeout)
+
+    jobs = http.get("/v1/jobs", params={"batch_id": batch["id"], "limit": 100}).raise_for_status().json()["data"]
+    results = []
+    for job in sorted(jobs, key=lambda j: j.get("custom_id") or j["id"]):
+        entry = {"custom_id": job.get("custom_id"), "id": job["id"], "status": job["status"]}
+        if job["status"] == "succeeded":
+            result = job["result"]
+            dest = out_dir / f"{job.get('custom_id') or job['id']}.wav"
+            _download(result["url"], dest)
+            entry.update(path=str(dest), bucket=result["bucket"], key=result["key"],
+                         duration_s=result.get("duration_s"), gen_seconds=job["request"].get("gen_seconds"))  # fmt: skip
+        else:
+            entry["error"] = job.get("error")
+        results.append(entry)
+    manifest = batch.get("manifest")
+    if manifest:
+        _download(manifest["url"], out_dir / f"batch-{batch['id']}.manifest.jsonl")
+        results.append({"manifest": str(out_dir / f"batch-{batch['id']}.manifest.jsonl"), "key": manifest["key"]})
+    (out_dir / "demo-results.json").write_text(json.dumps(results, indent=2) + "\n")
+    failed = [r for r in results if r.get("status") not in (None, "succeeded")]
+    if failed:
+        raise RuntimeError(f"{len(failed)} demo jobs did not succeed: {json.dumps(failed)}")
+    return results
+
+
+def _write_env_file(path: Path, url: str, api_key: str, env: dict[str, str]) -> None:
+    """Settings of this run for a second shell: ``set -a; . run/demo.env; set +a`` then ``auk submit ...``."""
+    lines = [f"AUK_API_URL={url}", f"AUK_API_KEY={api_key}", *(f"{k}={v}" for k, v in env.items())]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+
+
+def _print_summary(results: list[dict], url: str, api_key: str, s3: S3Server, workdir: Path, is_tiny: bool) -> None:
+    say("\nrendered:")
+    for r in results:
+        if "path" in r:
+            say(f"  {r['custom_id']}: {r['path']} ({r['duration_s']} s) = s3://{r['bucket']}/{r['key']}")
+        elif "manifest" in r:
+            say(f"  manifest: {r['manifest']} = s3://{BUCKET}/{r['key']}")
+    if is_tiny:
+        say("  (tiny checkpoint with random weights: these WAVs are noise of the right length)")
+    say(f"\nAPI        {url}  (docs: {url}/docs)")
+    say(f"API key    {api_key}")
+    say(f"S3         {s3.endpoint}  access key {s3.access_key}  secret key {s3.secret_key}")
+    say(f"logs       {workdir}/*.log, {workdir}/redis/redis.log, {workdir}/s3/weed.log")
+    say(f"settings   {workdir}/demo.env  (in another shell: set -a; . {workdir}/demo.env; set +a)")
+    say(f'try        auk submit --instruction \'{instruct_tts("A clear, natural voice.", "Hello there.")}\' '
+        f"--gen-seconds 2{' --steps 4' if is_tiny else ''}")
+    say(f"           curl -H 'Authorization: Bearer {api_key}' {url}/v1/jobs")
+
+
+def _shutdown(api: ApiProcess | None, worker: WorkerProcess | None, s3: S3Server, redis_server: RedisServer) -> None:
+    """Stop the children in order: no new requests, the running job finishes, then storage and Redis."""
+    with _signals_ignored():
+        if api is not None:
+            api.stop()
+        if worker is not None:
+            worker.terminate(timeout=60)
+        s3.stop()
+        redis_server.stop()
+
+
+class _signals_ignored:
+    """A second Ctrl-C during shutdown must not leave children behind."""
+
+    def __enter__(self) -> None:
+        self.saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def __exit__(self, *_: object) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--once", action="store_true", help="stop the service after the demo batch")
+    parser.add_argument("--workdir", type=Path, default=Path("run"), help="data, logs and WAVs (default ./run)")
+    parser.add_argument("--ready-timeout", type=float, default=900.0,
+                        help="seconds to wait for the worker to load the model (default 900)")  # fmt: skip
+    parser.add_argument("--batch-timeout", type=float, default=600.0,
+                        help="seconds to wait for the demo batch (default 600)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        return run_demo(args)
+    except Stop as stop:  # before any child was started
+        say(f"{stop}: stopped")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

