@@ -78,10 +78,11 @@ def _checkpoint(workdir: Path) -> tuple[Path, str, bool]:
     return Path(out).resolve(), "base", True
 
 
-def _batch_jsonl(is_tiny: bool) -> str:
+def _batch_jsonl(variant: str, is_tiny: bool) -> str:
     lines = []
     for custom_id, seconds, description, text in DEMO_LINES:
-        job = {"custom_id": custom_id, "instruction": instruct_tts(description, text), "gen_seconds": seconds}
+        job = {"custom_id": custom_id, "instruction": instruct_tts(description, text), "gen_seconds": seconds,
+               "variant": variant}  # the queues of the one worker's variant
         if is_tiny:
             job["num_inference_steps"] = TINY_STEPS
         lines.append(json.dumps(job))
@@ -189,9 +190,9 @@ def run_demo(args: argparse.Namespace) -> int:
             _wait_ready(http, worker, args.ready_timeout)
             say(f"worker ready after {time.monotonic() - started:.1f} s")
             started = time.monotonic()
-            results = _submit_and_fetch(http, is_tiny, out_dir, args.batch_timeout)
+            results = _submit_and_fetch(http, variant, is_tiny, out_dir, args.batch_timeout)
             say(f"batch rendered and downloaded in {time.monotonic() - started:.1f} s")
-        _print_summary(results, api.url, api_key, s3, workdir, is_tiny)
+        _print_summary(results, api.url, api_key, s3, workdir, variant, is_tiny)
         if args.once:
             return 0
         say("\nthe service keeps running; Ctrl-C stops it")
@@ -212,13 +213,13 @@ def run_demo(args: argparse.Namespace) -> int:
         _shutdown(api, worker, s3, redis_server)
 
 
-def _submit_and_fetch(http: httpx.Client, is_tiny: bool, out_dir: Path, timeout: float) -> list[dict]:
-    body = _batch_jsonl(is_tiny)
+def _submit_and_fetch(http: httpx.Client, variant: str, is_tiny: bool, out_dir: Path, timeout: float) -> list[dict]:
+    body = _batch_jsonl(variant, is_tiny)
     response = http.post("/v1/batches", content=body, headers={"Content-Type": "application/x-ndjson"})
     if response.is_error:
         raise RuntimeError(f"the API refused the demo batch: HTTP {response.status_code} {response.text[:500]}")
     batch = response.json()
-    steps = f"{TINY_STEPS} steps (tiny checkpoint)" if is_tiny else "the deploy config's steps"
+    steps = f"{TINY_STEPS} steps (tiny checkpoint)" if is_tiny else f"{variant}, the deploy config's sampling"
     say(f"submitted batch {batch['id']}: {batch['total']} instruct-TTS jobs of 1-2 s, {steps}")
     batch = _follow_batch(http, batch["id"], batch["total"], timeout)
 
@@ -253,7 +254,8 @@ def _write_env_file(path: Path, url: str, api_key: str, env: dict[str, str]) -> 
     path.chmod(0o600)
 
 
-def _print_summary(results: list[dict], url: str, api_key: str, s3: S3Server, workdir: Path, is_tiny: bool) -> None:
+def _print_summary(results: list[dict], url: str, api_key: str, s3: S3Server, workdir: Path, variant: str,
+                   is_tiny: bool) -> None:
     say("\nrendered:")
     for r in results:
         if "path" in r:
@@ -268,7 +270,7 @@ def _print_summary(results: list[dict], url: str, api_key: str, s3: S3Server, wo
     say(f"logs       {workdir}/*.log, {workdir}/redis/redis.log, {workdir}/s3/weed.log")
     say(f"settings   {workdir}/demo.env  (in another shell: set -a; . {workdir}/demo.env; set +a)")
     say(f'try        auk submit --instruction \'{instruct_tts("A clear, natural voice.", "Hello there.")}\' '
-        f"--gen-seconds 2{' --steps 4' if is_tiny else ''}")
+        f"--gen-seconds 2{' --steps 4' if is_tiny else ''}{' --variant flash' if variant == 'flash' else ''}")
     say(f"           curl -H 'Authorization: Bearer {api_key}' {url}/v1/jobs")
 
 
