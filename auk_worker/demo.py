@@ -27,6 +27,7 @@ from types import FrameType
 
 import httpx
 
+from auk_worker.errors import AuKError
 from auk_worker.service.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, port_free
 
 SAMPLE_RATE = 24_000
@@ -142,7 +143,11 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir.resolve()
     out_dir = workdir / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = int(os.environ.get("AUK_API_PORT", "8000"))
+    raw_port = os.environ.get("AUK_API_PORT", "8000").strip()
+    if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+        say(f"error: AUK_API_PORT must be a port number, got {raw_port!r}")
+        return 2
+    port = int(raw_port)
     if not port_free(port):
         say(f"error: 127.0.0.1:{port} is in use; choose another port with AUK_API_PORT=... (e.g. 8001)")
         return 2
@@ -316,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     except Stop as stop:  # before any child was started
         say(f"{stop}: stopped")
         return 0
+    except AuKError as exc:  # a checkpoint or config that cannot be used, before any child was started
+        say(f"error: {exc.message}")
+        return 2
 
 
 if __name__ == "__main__":
