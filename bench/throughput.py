@@ -1,0 +1,269 @@
+"""Overnight throughput: one batch of N base instruct-TTS jobs through the real service, timed end to end.
+
+``python -m bench.throughput [--jobs N] [--seconds 6] [--pipeline tiny|instant|release]
+[--deploy-config config/auk-bulk.yaml]`` starts a private redis-server, a SeaweedFS S3 server, the API and one
+worker (the process managers of ``auk_worker/service/local.py``), posts ONE batch of N jobs of ``--seconds`` each
+(same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the deploy config's
+``max_num_seqs``, and waits until the batch is done. It reports:
+
+- audio seconds rendered per wall second and jobs per second, over the render window (first job started to last
+  job finished) and from enqueue (just before the POST to the last job finished);
+- per-job latency medians: enqueue to finished, and started to finished;
+- how many ``render_batch`` calls the worker made and their sizes (from its log).
+
+Pipelines: ``instant`` (silence, no model: the service's own ceiling), ``tiny`` (the tiny checkpoint, made in a
+temporary directory), ``release`` (``AUK_PIPELINE=random-release``: release-size random weights built by
+``bench/models.py``, for a GPU). Before the timed batch, an untimed warm-up batch (``--warmup`` jobs, one group
+by default) lets a graph-capturing worker record the group shapes. The result goes to
+``bench/results/throughput-<device>-<date>.json``. Run it from the repository root. The issue's target: at least
+40 s of audio per wall second on one H200 with 6 s jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from auk_worker.deploy import load_deploy_config
+from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
+from bench.common import write_result
+
+try:  # the process managers moved into the package; older trees keep them with the tests
+    from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, free_port
+except ImportError:  # pragma: no cover - depends on the tree's age
+    from tests.service.harness import REPO, RedisServer, S3Server, WorkerProcess, free_port
+
+log = logging.getLogger("bench.throughput")
+
+API_KEY = "bench-throughput-key-0123456789"
+INSTRUCTION = (
+    'Generate speech based on the following description: "A calm, clear adult voice, close to the microphone." '
+    'The content to speak is: "Tonight the whole archive is read aloud, one line after another, until morning."'
+)
+TARGET_AUDIO_S_PER_S = 40.0
+PIPELINE_ENV = {"instant": "instant", "tiny": "auk", "release": "random-release"}
+
+
+def _parse_time(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+class ServiceUnderTest:
+    """redis-server, SeaweedFS, the API and one worker on loopback, in ``workdir``."""
+
+    def __init__(self, workdir: Path, pipeline: str, deploy_config: Path, checkpoint: Path | None) -> None:
+        self.workdir = workdir
+        self.redis = RedisServer(workdir / "redis")
+        self.s3 = S3Server(workdir / "s3")
+        self.pipeline = pipeline
+        self.deploy_config = deploy_config
+        self.checkpoint = checkpoint
+        self.api = None
+        self.worker: WorkerProcess | None = None
+        self.api_log = workdir / "api.log"
+        self.url = ""
+
+    def start(self, ready_timeout: float) -> ServiceUnderTest:
+        self.redis.start()
+        self.s3.start()
+        env = {
+            "AUK_REDIS_URL": self.redis.url,
+            "AUK_S3_ENDPOINT": self.s3.endpoint,
+            "AUK_S3_ACCESS_KEY": self.s3.access_key,
+            "AUK_S3_SECRET_KEY": self.s3.secret_key,
+            "AUK_S3_BUCKET": "auk-bench",
+            "AUK_VARIANT": "base",
+            "AUK_PIPELINE": PIPELINE_ENV[self.pipeline],
+            "AUK_DEPLOY_CONFIG": str(self.deploy_config),
+            "AUK_VISIBILITY_TIMEOUT": "7200",
+        }
+        if self.checkpoint is not None:
+            env["AUK_CHECKPOINT"] = str(self.checkpoint)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.api = _start_api({**env, "AUK_API_KEYS": API_KEY, "AUK_API_PORT": str(port)}, self.api_log, self.url)
+        self.worker = WorkerProcess(env, "bench-throughput", self.workdir).start()
+        self.worker.wait_state(self.redis.client(), "ready", timeout=ready_timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.terminate(timeout=60)
+        if self.api is not None:
+            self.api.terminate()
+            try:
+                self.api.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - a stuck API is killed; the benchmark is over
+                self.api.kill()
+        self.s3.stop()
+        self.redis.stop()
+
+
+def _start_api(env: dict[str, str], log_path: Path, url: str, timeout: float = 60.0):
+    import os
+    import subprocess
+
+    full = {**os.environ, **env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "api"], stdout=out, stderr=subprocess.STDOUT, env=full,
+                                cwd=REPO)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the API did not answer within {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
+def post_batch(http: httpx.Client, jobs: int, seconds: float, steps: int | None, tag: str) -> str:
+    line = {"instruction": INSTRUCTION, "gen_seconds": seconds, "seed": 0}
+    if steps is not None:
+        line["num_inference_steps"] = steps
+    body = "\n".join(json.dumps({**line, "seed": i, "custom_id": f"{tag}-{i}"}) for i in range(jobs))
+    response = http.post("/v1/batches", content=body, headers={"Content-Type": "application/x-ndjson"})
+    if response.status_code != 202:
+        raise RuntimeError(f"POST /v1/batches answered {response.status_code}: {response.text}")
+    return response.json()["id"]
+
+
+def wait_batch(http: httpx.Client, batch_id: str, timeout: float, worker: WorkerProcess) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = http.get(f"/v1/batches/{batch_id}").json()
+        if batch["status"] == "done":
+            return batch
+        if worker.proc is not None and worker.proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.proc.returncode}:\n{worker.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"batch {batch_id} not done after {timeout:.0f} s: {batch['counts']}")
+        time.sleep(0.1)
+
+
+def measure(records: list[JobRecord], enqueued_at: float) -> dict:
+    """Throughput and latency of one finished batch from its records' timestamps."""
+    failed = [r for r in records if r.status != JobStatus.SUCCEEDED]
+    if failed:
+        raise RuntimeError(f"{len(failed)} job(s) did not succeed, e.g. {failed[0].id}: {failed[0].error}")
+    started = [_parse_time(r.started_at) for r in records]
+    finished = [_parse_time(r.finished_at) for r in records]
+    created = [_parse_time(r.created_at) for r in records]
+    audio_s = sum(r.result["duration_s"] for r in records)
+    window = max(finished) - min(started)
+    from_enqueue = max(finished) - enqueued_at
+    return {
+        "jobs": len(records),
+        "audio_seconds": round(audio_s, 3),
+        "render_window_s": round(window, 3),
+        "from_enqueue_s": round(from_enqueue, 3),
+        "audio_s_per_s": round(audio_s / window, 3),
+        "audio_s_per_s_from_enqueue": round(audio_s / from_enqueue, 3),
+        "jobs_per_s": round(len(records) / window, 3),
+        "jobs_per_s_from_enqueue": round(len(records) / from_enqueue, 3),
+        "latency_s": {
+            "enqueue_to_finished_median": round(statistics.median(f - c for f, c in zip(finished, created)), 3),
+            "started_to_finished_median": round(statistics.median(f - s for f, s in zip(finished, started)), 3),
+        },
+    }
+
+
+def render_calls(worker_log: str) -> list[int]:
+    """Sizes of the worker's ``render_batch`` calls (one per group task, plus lone re-renders)."""
+    return [int(n) for n in re.findall(r"group of (\d+): rendering", worker_log)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    deploy_config = args.deploy_config.resolve()
+    deploy = load_deploy_config(deploy_config)
+    warmup = deploy.dit.max_num_seqs if args.warmup is None else args.warmup
+    with tempfile.TemporaryDirectory(prefix="auk-throughput-") as tmp:
+        work = Path(tmp)
+        checkpoint = None
+        if args.pipeline == "tiny":
+            from auk_worker.tiny import make_tiny_checkpoint
+
+            checkpoint = Path(make_tiny_checkpoint(work / "auk-tiny-base", "base"))
+        service = ServiceUnderTest(work, args.pipeline, deploy_config, checkpoint)
+        try:
+            service.start(ready_timeout=args.ready_timeout)
+            store = JobStore(service.redis.client())
+            with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                              timeout=120) as http:  # fmt: skip
+                if warmup:
+                    log.info("warm-up batch of %d jobs", warmup)
+                    wait_batch(http, post_batch(http, warmup, args.seconds, args.steps, "warmup"), args.timeout,
+                               service.worker)  # fmt: skip
+                calls_before = len(render_calls(service.worker.log_tail(10_000_000)))
+                log.info("timed batch of %d jobs of %.1f s", args.jobs, args.seconds)
+                enqueued_at = time.time()
+                batch_id = post_batch(http, args.jobs, args.seconds, args.steps, "job")
+                wait_batch(http, batch_id, args.timeout, service.worker)
+            result = measure(store.batch_records(batch_id), enqueued_at)
+            result["render_batch_calls"] = render_calls(service.worker.log_tail(10_000_000))[calls_before:]
+        finally:
+            service.stop()
+    return {
+        "benchmark": "throughput",
+        "setup": {
+            "pipeline": args.pipeline,
+            "deploy_config": str(args.deploy_config),
+            "max_num_seqs": deploy.dit.max_num_seqs,
+            "position_budget": deploy.dit.model_config.auk_dit_batch_position_budget,
+            "gen_seconds": args.seconds,
+            "steps": args.steps or deploy.defaults.num_inference_steps,
+            "guidance_scale": deploy.defaults.guidance_scale,
+            "warmup_jobs": warmup,
+            "path": "POST /v1/batches -> auk.render_group tasks -> 1 solo worker -> SeaweedFS",
+        },
+        **result,
+        "target_audio_s_per_s": TARGET_AUDIO_S_PER_S,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=64, help="jobs in the timed batch (default 64)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="target length of every job (default 6 s)")
+    parser.add_argument("--pipeline", choices=sorted(PIPELINE_ENV), default="release",
+                        help="release (random weights, GPU), tiny (tiny checkpoint) or instant (no model)")  # fmt: skip
+    parser.add_argument("--deploy-config", type=Path, default=REPO / "config" / "auk-bulk.yaml",
+                        help="deploy YAML for the API and the worker (default config/auk-bulk.yaml)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the config's)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed jobs first (default: max_num_seqs)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for a batch")
+    parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds to wait for the worker")
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+    result = run(args)
+    path = write_result("throughput", result, args.out)
+    print(
+        f"throughput ({args.pipeline}, {result['jobs']} x {args.seconds:g} s, max_num_seqs "
+        f"{result['setup']['max_num_seqs']}): {result['audio_s_per_s']:.2f} audio s / s, "
+        f"{result['jobs_per_s']:.2f} jobs/s over the render window; {result['audio_s_per_s_from_enqueue']:.2f} "
+        f"audio s / s from enqueue; median latency {result['latency_s']['enqueue_to_finished_median']:.2f} s; "
+        f"render_batch calls {result['render_batch_calls']}; written to {path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
