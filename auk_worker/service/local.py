@@ -94,6 +94,7 @@ def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeo
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        log.warning("pid %d did not stop within %.0f s of %s; killing it", proc.pid, timeout, signal.Signals(sig).name)
         proc.kill()
         proc.wait(timeout=5)
 
