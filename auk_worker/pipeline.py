@@ -339,7 +339,7 @@ class AuKPipeline:
         )
 
     def _render_group(self, group: list[_Job], on_step: StepCallback | None) -> list[RenderResult | AuKError]:
-        """One DiT pass over the group (padded and masked to a common shape), then a decode per job."""
+        """One DiT pass over the group (padded and masked to a common shape), then decodes by length."""
         schedule = group[0].schedule
         started = self._clock()
         try:
@@ -348,13 +348,24 @@ class AuKPipeline:
         except ModelError as exc:
             return [exc for _ in group]
         dit_seconds = (self._clock() - started) / len(group)
-        results: list[RenderResult | AuKError] = []
+        # Decode equal-length latents together: padding a shorter clip would change its last samples.
+        results: list[RenderResult | AuKError | None] = [None] * len(group)
+        by_length: dict[int, list[int]] = {}
         for row, job in enumerate(group):
+            by_length.setdefault(job.frames, []).append(row)
+        for frames, rows in by_length.items():
+            started = self._clock()
             try:
-                results.append(self._finish(job, latents[row : row + 1, : job.frames], schedule, dit_seconds))
+                with torch.inference_mode(), _oom_as_model_error(frames * len(rows)):
+                    waves = self._decode(latents[rows, :frames]).float().cpu().numpy()  # [r, frames * 480]
             except ModelError as exc:
-                results.append(exc)
-        return results
+                for row in rows:
+                    results[row] = exc
+                continue
+            decode_seconds = (self._clock() - started) / len(rows)
+            for wave, row in zip(waves, rows):
+                results[row] = self._result(group[row], wave, schedule, dit_seconds, decode_seconds)
+        return results  # type: ignore[return-value]
 
     def _sample(self, group: list[_Job], schedule: Schedule, on_step: StepCallback | None) -> torch.Tensor:
         dev = self.device
@@ -393,15 +404,13 @@ class AuKPipeline:
         velocity = guided_velocity(self.dit, ctx, schedule.guidance_scale)
         return euler_sample(velocity, x0, grid, on_step=on_step)
 
-    def _finish(self, job: _Job, latents: torch.Tensor, schedule: Schedule, dit_seconds: float) -> RenderResult:
-        timings = dict(job.timings, dit=dit_seconds)
-        started = self._clock()
-        with torch.inference_mode(), _oom_as_model_error(job.frames):
-            wave = self._decode(latents)  # [1, n * 480]
-        timings["decode"] = self._clock() - started
-        waveform = wave[0].float().cpu().numpy()
+    @staticmethod
+    def _result(
+        job: _Job, waveform: np.ndarray, schedule: Schedule, dit_seconds: float, decode_seconds: float
+    ) -> RenderResult | ModelError:
         if not np.isfinite(waveform).all():
-            raise ModelError("the model produced non-finite audio")
+            return ModelError("the model produced non-finite audio")
+        timings = dict(job.timings, dit=dit_seconds, decode=decode_seconds)
         timings["total"] = sum(timings.values())
         return RenderResult(
             waveform=waveform,

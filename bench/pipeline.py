@@ -87,6 +87,35 @@ def measure(pipe, request: RenderRequest, runs: int, warmup: int) -> dict:
     }
 
 
+def throughput(pipe, jobs: int, seconds: float, batch: int, budget: int) -> dict:
+    """Pipeline-level bulk throughput: ``jobs`` base instruct jobs rendered with ``render_batch`` in groups of
+    up to ``batch``; audio seconds rendered per wall second (the queue adds its own, measured separately)."""
+    dit = dataclasses.replace(
+        pipe.deploy.dit,
+        max_num_seqs=batch,
+        model_config=dataclasses.replace(pipe.deploy.dit.model_config, auk_dit_batch_position_budget=budget),
+    )
+    pipe.deploy = dataclasses.replace(pipe.deploy, stages=(pipe.deploy.encoder, dit))
+    requests = [RenderRequest(INSTRUCT, gen_seconds=seconds, seed=i) for i in range(jobs)]
+    pipe.render_batch(requests[: 2 * batch])  # capture the batch shapes
+    if pipe.device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    results = pipe.render_batch(requests)
+    wall = time.perf_counter() - started
+    failures = [r for r in results if isinstance(r, Exception)]
+    return {
+        "jobs": jobs,
+        "seconds_per_job": seconds,
+        "batch": batch,
+        "position_budget": budget,
+        "wall_s": wall,
+        "jobs_per_s": jobs / wall,
+        "audio_s_per_s": jobs * seconds / wall,
+        "failures": len(failures),
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.tiny:
         from auk_worker.pipeline import AuKPipeline
@@ -109,6 +138,15 @@ def run(args: argparse.Namespace) -> dict:
         flash = flash_pipe
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
     pipes = {"base": base, "flash": flash}
+    if args.throughput:
+        rows = []
+        for batch in args.batch:
+            row = throughput(base, args.throughput, 6.0, batch, args.budget)
+            print(f"bulk 6 s instruct, batch {batch}: {row['audio_s_per_s']:.1f} s of audio per s "
+                  f"({row['jobs_per_s']:.2f} jobs/s)", flush=True)
+            rows.append(row)
+        return {"benchmark": "pipeline-throughput", "precision": base.precision, "throughput": rows,
+                "environment": environment()}
     seconds = args.seconds
     table: dict[str, dict] = {}
     for name, variant, instruction, ref_s in KINDS:
@@ -171,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=None, help="which request kinds (default all)")
     parser.add_argument("--seconds", type=int, nargs="+", default=None, help="target lengths (default 3 6 12)")
     parser.add_argument("--no-compile", action="store_true", help="graphs of eager kernels (no compiled DiT blocks)")
+    parser.add_argument("--throughput", type=int, default=0, metavar="JOBS",
+                        help="measure bulk throughput over JOBS 6 s instruct jobs instead of latency")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="jobs per DiT pass (throughput)")
+    parser.add_argument("--budget", type=int, default=8192, help="rows x positions per DiT pass (throughput)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
     if args.runs is None:
@@ -183,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     from pathlib import Path
 
-    path = write_result("pipeline-tiny" if args.tiny else "pipeline", result, Path(args.out) if args.out else None)
+    name = "pipeline-tiny" if args.tiny else "pipeline"
+    path = write_result(f"{name}-throughput" if args.throughput else name, result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0
 
