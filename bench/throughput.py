@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +70,7 @@ class ServiceUnderTest:
         self.pipeline = pipeline
         self.deploy_config = deploy_config
         self.checkpoint = checkpoint
-        self.api = None
+        self.api: subprocess.Popen | None = None
         self.worker: WorkerProcess | None = None
         self.api_log = workdir / "api.log"
         self.url = ""
@@ -109,10 +111,7 @@ class ServiceUnderTest:
         self.redis.stop()
 
 
-def _start_api(env: dict[str, str], log_path: Path, url: str, timeout: float = 60.0):
-    import os
-    import subprocess
-
+def _start_api(env: dict[str, str], log_path: Path, url: str, timeout: float = 60.0) -> subprocess.Popen:
     full = {**os.environ, **env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "api"], stdout=out, stderr=subprocess.STDOUT, env=full,
