@@ -25,7 +25,8 @@ def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> Audi
     try:
         samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)  # [t, channels]
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise AudioError(f"the file is not audio that can be decoded: {exc}") from None
+        reason = str(exc).rsplit(": ", 1)[-1]  # libsndfile's own words, without the stream's repr
+        raise AudioError(f"the file is not audio that can be decoded ({reason})") from None
     return validate_clip(samples, rate, max_seconds=max_seconds)
 
 

@@ -101,16 +101,18 @@ def _render(args: argparse.Namespace) -> int:
         vae_sample=args.vae_sample,
     )
     pipe = AuKPipeline.load(args.checkpoint, deploy, precision=args.precision, device=args.device, qwen_path=args.qwen_path)
-    bar = tqdm(desc="denoising", unit="step", leave=False)
+    bars: list[tqdm] = []
 
     def on_step(step: int, total: int) -> None:
-        bar.total = total
-        bar.update(step - bar.n)
+        if not bars:
+            bars.append(tqdm(total=total, desc="denoising", unit="step", leave=False))
+        bars[0].update(step - bars[0].n)
 
     try:
         result = pipe.render(request, on_step=on_step)
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
     args.out.write_bytes(write_wav(result.waveform, result.sample_rate, args.format))
     stages = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in result.timings.items())
     print(

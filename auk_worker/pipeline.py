@@ -364,7 +364,7 @@ class AuKPipeline:
                 continue
             decode_seconds = (self._clock() - started) / len(rows)
             for wave, row in zip(waves, rows):
-                results[row] = self._result(group[row], wave, schedule, dit_seconds, decode_seconds)
+                results[row] = self._result(group[row], wave, dit_seconds, decode_seconds)
         return results  # type: ignore[return-value]
 
     def _sample(self, group: list[_Job], schedule: Schedule, on_step: StepCallback | None) -> torch.Tensor:
@@ -405,18 +405,16 @@ class AuKPipeline:
         return euler_sample(velocity, x0, grid, on_step=on_step)
 
     @staticmethod
-    def _result(
-        job: _Job, waveform: np.ndarray, schedule: Schedule, dit_seconds: float, decode_seconds: float
-    ) -> RenderResult | ModelError:
+    def _result(job: _Job, waveform: np.ndarray, dit_seconds: float, decode_seconds: float) -> RenderResult | ModelError:
         if not np.isfinite(waveform).all():
             return ModelError("the model produced non-finite audio")
         timings = dict(job.timings, dit=dit_seconds, decode=decode_seconds)
         timings["total"] = sum(timings.values())
         return RenderResult(
             waveform=waveform,
-            seed=schedule.seed,
-            num_inference_steps=schedule.num_steps,
-            guidance_scale=schedule.guidance_scale,
+            seed=job.schedule.seed,
+            num_inference_steps=job.schedule.num_steps,
+            guidance_scale=job.schedule.guidance_scale,
             timings=timings,
         )
 

@@ -166,13 +166,15 @@ class PromptProcessor:
 
     @classmethod
     def from_pretrained(cls, qwen_dir: Path) -> PromptProcessor:
-        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers import Qwen2TokenizerFast, WhisperFeatureExtractor
 
         qwen_dir = Path(qwen_dir)
         if not (qwen_dir / "preprocessor_config.json").is_file():
             raise CheckpointError(f"Qwen snapshot {qwen_dir} has no preprocessor_config.json")
         spec = ThinkerSpec.from_config(read_thinker_config(qwen_dir))
-        tokenizer = AutoTokenizer.from_pretrained(qwen_dir, local_files_only=True)
+        # The Qwen2 tokenizer class directly: AutoTokenizer would parse the whole Omni config.json, whose talker
+        # section makes transformers log token-id warnings that have nothing to do with the thinker.
+        tokenizer = Qwen2TokenizerFast.from_pretrained(qwen_dir, local_files_only=True)
         feature_extractor = WhisperFeatureExtractor.from_pretrained(qwen_dir, local_files_only=True)
         if feature_extractor.feature_size != spec.num_mel_bins:
             raise CheckpointError(
