@@ -162,14 +162,14 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source:
     expected = module.state_dict(keep_vars=True)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"{source}: missing tensor {prefix}{missing[0]!r} ({len(missing)} missing in all)")
+        raise CheckpointError(f"{source}: missing tensor '{prefix}{missing[0]}' ({len(missing)} missing in all)")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor {prefix}{unexpected[0]!r} ({len(unexpected)} unexpected in all)")
+        raise CheckpointError(f"{source}: unexpected tensor '{prefix}{unexpected[0]}' ({len(unexpected)} unexpected in all)")
     for key, param in expected.items():
         if tuple(param.shape) != tuple(state[key].shape):
             raise CheckpointError(
-                f"{source}: tensor {prefix}{key!r} has shape {tuple(state[key].shape)}, expected {tuple(param.shape)}"
+                f"{source}: tensor '{prefix}{key}' has shape {tuple(state[key].shape)}, expected {tuple(param.shape)}"
             )
     module.load_state_dict(state, strict=True, assign=True)
 

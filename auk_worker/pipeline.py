@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from auk_worker.accel import DecodeGraphs, EncoderGraphs, StepGraphs
-from auk_worker.audio import THINKER_SAMPLE_RATE, resample
+from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, InputError, ModelError, OutOfMemory
@@ -305,6 +305,8 @@ class AuKPipeline:
         schedule = self.schedule(request)
         clip_24k = None
         if request.audio is not None:
+            # The same rules as an uploaded file (length, finite samples), for clips handed over in memory.
+            validate_clip(request.audio.samples, request.audio.sample_rate)
             clip_24k = resample(request.audio.samples, request.audio.sample_rate, SAMPLE_RATE)
         frames = self.target_frames(request, 0 if clip_24k is None else len(clip_24k))
         timings: dict[str, float] = {}
