@@ -169,8 +169,9 @@ class AuKPipeline:
         dit_state, fusion = split_dit_weights(read_safetensors(release.weights_path, device), str(release.weights_path))
         with torch.device("meta"):
             dit = AuKDiT(release.dit)
-        load_strict(dit, {k: v.to(model_dtype) if k != "rotary_embed.inv_freq" else v.float() for k, v in dit_state.items()},
-                    str(release.weights_path), prefix="transformer.")
+        # Weights take the serving dtype one tensor at a time; the rotary frequencies always stay fp32.
+        dit_state = {k: v.float() if k == "rotary_embed.inv_freq" else v.to(model_dtype) for k, v in dit_state.items()}
+        load_strict(dit, dit_state, str(release.weights_path), prefix="transformer.")
         dit.eval().requires_grad_(False)
         del dit_state
 
