@@ -214,7 +214,7 @@ class S3Server:
             self.weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.volumeSizeLimitMB=64", "-volume.max=16",
+            "-master.volumeSizeLimitMB=64", "-volume.max=16", "-filer.saveToFilerLimit=1048576",
         ]  # fmt: skip
         self.proc = _spawn(cmd, self.log, cwd=self.workdir)
         client = self.client()
