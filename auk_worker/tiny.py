@@ -26,20 +26,13 @@ from auk_worker.model.vae import AuKVAE, VAEConfig
 
 QWEN_SUBDIR = "qwen"
 
+# The release geometry (hop 480, the 12-wide first encoder conv) with narrow channels.
 TINY_VAE_KWARGS = {
-    "upsample_rates": [5, 4, 3, 2, 2, 2],
-    "upsample_kernel_sizes": [10, 8, 6, 4, 4, 4],
+    **VAEConfig().to_release()["model_init_kwargs"],
     "upsample_initial_channel": 64,
-    "resblock_kernel_sizes": [3, 7, 11],
-    "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-    "downsample_rates": [2, 2, 2, 3, 4, 5],
     "downsample_channels": [12, 12, 16, 16, 24, 24, 32],
-    "snake_logscale": True,
-    "latent_dim": "${model.vae.latent_dim}",
-    "use_vae": True,
-    "causal": True,
     "flow_hidden_channels": 16,
-    "act_causal": True,
+    "latent_dim": "${model.vae.latent_dim}",  # interpolated as in the release's config.yaml
 }
 
 

@@ -33,26 +33,6 @@ RELEASE_ARCH = {
     "num_single_layers": 20,
     "attn_mask_enabled": True,
 }
-RELEASE_VAE = {
-    "latent_dim": 64,
-    "downsample_rate": 480,
-    "target_sample_rate": 24000,
-    "model_init_kwargs": {
-        "upsample_rates": [5, 4, 3, 2, 2, 2],
-        "upsample_kernel_sizes": [10, 8, 6, 4, 4, 4],
-        "upsample_initial_channel": 1536,
-        "resblock_kernel_sizes": [3, 7, 11],
-        "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-        "downsample_rates": [2, 2, 2, 3, 4, 5],
-        "downsample_channels": [12, 24, 48, 96, 192, 384, 768],
-        "snake_logscale": True,
-        "latent_dim": 64,
-        "use_vae": True,
-        "causal": True,
-        "flow_hidden_channels": 256,
-        "act_causal": True,
-    },
-}
 QWEN_3B_TEXT = {
     "hidden_size": 2048,
     "max_window_layers": 36,
@@ -105,7 +85,7 @@ def random_pipeline(
         thinker_config = release_thinker_config(qwen_dir)
         with torch.device(device):
             trunk = ThinkerTrunk(thinker_config).to(device, dtype).eval().requires_grad_(False)
-            vae_config = VAEConfig.from_release(RELEASE_VAE)
+            vae_config = VAEConfig()  # its defaults are the release geometry
             vae = AuKVAE(vae_config).to(device).eval().requires_grad_(False)  # some buffers are built on the CPU
             vae.global_log_std.fill_(1.0)
             dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(device, dtype).eval().requires_grad_(False)
