@@ -6,7 +6,8 @@ Nothing here changes what is computed; it changes how the kernels are launched:
   combine, the fp32 state update) as a CUDA graph per shape (rows, target, text, reference, which masks exist).
   The time grid, the step index and the guidance scale live in device buffers that the graph reads, and the
   step index advances inside the graph, so one graph serves every step and every schedule: a render copies its
-  context in once and replays the graph ``num_steps`` times. At most ``max_dit_graphs`` are kept; a full cache
+  context in once and replays the graph ``num_steps`` times. The adaLN modulation rows of the whole grid are
+  computed once per render (``ModulationTable``) and the graph reads its step's row. At most ``max_dit_graphs`` are kept; a full cache
   is retired whole before a new capture (the deploy config's rule).
 - The repeated blocks are compiled (regional ``torch.compile``) before capture when ``compile_blocks`` is set, so
   the graph replays fused kernels.
@@ -36,6 +37,7 @@ from auk_worker.model.vae import AuKVAE
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, int], None]
+MODULATION_STEPS = 64  # steps of adaLN rows held at once (about 48 MB in bf16 at release size)
 
 
 def _leaves(obj: object) -> Iterator[Tensor | None]:
@@ -55,14 +57,40 @@ def _signature(ctx: DiTContext) -> tuple:
     )
 
 
+class ModulationTable:
+    """The adaLN modulation rows of up to ``capacity`` consecutive steps, shared by every step graph.
+
+    The rows depend on t alone (:meth:`AuKDiT.modulation`), so a render computes them for its grid in one batched
+    pass instead of re-reading all the modulation weights (about a third of the DiT's) at every step. A graph reads
+    row ``row`` and advances it; renders with more steps than ``capacity`` refill the table window by window.
+    """
+
+    def __init__(self, dit: AuKDiT, capacity: int) -> None:
+        width = sum(dit.modulation_widths)
+        self.dit = dit
+        self.capacity = capacity
+        self.rows = torch.zeros(capacity, width, device=dit.device, dtype=dit.dtype)
+        self.row = torch.zeros(1, dtype=torch.long, device=dit.device)
+
+    def fill(self, times: Tensor) -> None:  # times [k <= capacity] fp32
+        self.rows[: times.numel()].copy_(self.dit.modulation(times))
+        self.row.zero_()
+
+    def next(self) -> Tensor:  # [1, width]; call only inside a step
+        current = self.rows.index_select(0, self.row)
+        self.row.add_(1)
+        return current
+
+
 class _StepGraph:
-    def __init__(self, dit: AuKDiT, ctx: DiTContext, rows: int, pool: object) -> None:
+    def __init__(self, dit: AuKDiT, ctx: DiTContext, rows: int, table: ModulationTable, pool: object) -> None:
         device = dit.device
         self.ctx = _clone_ctx(ctx)  # static copy the graph reads; refreshed per render
         self.x = torch.zeros(rows, ctx.target_len, dit.config.latent_dim, device=device)  # fp32 ODE state
         self.grid = torch.zeros(MAX_STEPS + 1, device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # [1]: index_select keeps it on the device
         self.scale = torch.zeros((), device=device)
+        self.table = table
         self.graph = torch.cuda.CUDAGraph()
         self._dit = dit
 
@@ -71,6 +99,7 @@ class _StepGraph:
         with torch.cuda.stream(stream):  # warm-up: compiles, picks kernels, allocates workspaces
             for _ in range(3):
                 self.step.zero_()
+                self.table.row.zero_()
                 self._body()
         torch.cuda.current_stream(device).wait_stream(stream)
         with torch.cuda.graph(self.graph, pool=pool):
@@ -79,7 +108,7 @@ class _StepGraph:
     def _body(self) -> None:
         t = self.grid.index_select(0, self.step).squeeze(0)  # 0-d, read on the device (no host sync)
         dt = self.grid.index_select(0, self.step + 1).squeeze(0) - t
-        v = self._dit(self.x.to(self._dit.dtype), t, self.ctx)
+        v = self._dit(self.x.to(self._dit.dtype), t, self.ctx, modulation=self.table.next())
         if self.ctx.cfg:
             v_cond, v_uncond = v.chunk(2, dim=0)
             v = cfg_combine(v_cond, v_uncond, self.scale.to(v.dtype))
@@ -96,6 +125,8 @@ class _StepGraph:
         self.step.zero_()
         self.scale.fill_(scale)
         for i in range(total):
+            if i % self.table.capacity == 0:
+                self.table.fill(grid[i : min(i + self.table.capacity, total)])
             self.graph.replay()
             if on_step is not None:
                 on_step(i + 1, total)
@@ -119,6 +150,7 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _StepGraph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
+        self.table = ModulationTable(dit, MODULATION_STEPS)
         if compile_blocks:
             for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
                 # Dynamic shapes: one compilation serves every sequence length, so a new shape costs a capture,
@@ -135,7 +167,7 @@ class StepGraphs:
                 log.info("dit graphs: cache full (%d), retiring every graph", len(self.graphs))
                 self.graphs.clear()
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = _StepGraph(self.dit, ctx, x0.shape[0], self.pool)
+            graph = _StepGraph(self.dit, ctx, x0.shape[0], self.table, self.pool)
             self.graphs[key] = graph
             log.info("dit graphs: captured %s (%d cached)", _describe(ctx, x0), len(self.graphs))
         return graph.run(ctx, x0, grid.to(x0.device, torch.float32), guidance_scale, on_step)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model.dit import AuKDiT, DiTConfig
+from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -417,3 +417,20 @@ def test_rms_norms_use_torch_default_eps(model: AuKDiT) -> None:
     norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
     assert len(norms) == 1 + 4 * TINY.num_layers + 2 * TINY.num_single_layers
     assert all(m.eps is None for m in norms)  # resolves to float32 eps, not 1e-6
+
+
+def test_precomputed_modulation_rows_give_the_same_velocity(model: AuKDiT) -> None:
+    grid = torch.tensor([0.0, 0.2, 0.55, 1.0])
+    with torch.no_grad():
+        table = model.modulation(grid)  # [4, width]: what a sampler computes once per render
+        widths = [m.linear.out_features for m in model.modules() if isinstance(m, (AdaLayerNorm, AdaLayerNormFinal))]
+        assert table.shape == (4, sum(widths))
+        ctx = model.prepare(rand(1, 4, 32, seed=90), torch.tensor([4]), rand(1, 3, 64, seed=91), None, None, 5,
+                            cfg=True)
+        x = rand(1, 5, 64, seed=92)
+        for step in (1, 2):
+            per_step = model(x, grid[step], ctx)
+            from_table = model(x, grid[step], ctx, modulation=table[step : step + 1])
+            torch.testing.assert_close(from_table, per_step, rtol=0, atol=1e-6)
+        # The row really drives the blocks: another step's row gives another velocity.
+        assert (model(x, grid[2], ctx, modulation=table[1:2]) - per_step).abs().max() > 1e-3

@@ -274,14 +274,17 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
 
 class AdaLayerNorm(nn.Module):
     """Six modulation chunks from the time embedding, in the order
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp; each returned as [bc, 1, d]."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
+
+    ``linear(silu(temb))`` is the block's modulation row [r, 6d] (see :meth:`AuKDiT.modulation`); ``forward``
+    splits a row into its chunks, each [r, 1, d]."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, 6 * dim)
 
-    def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
-        return tuple(chunk[:, None] for chunk in self.linear(F.silu(temb)).chunk(6, dim=1))
+    def forward(self, modulation: Tensor) -> tuple[Tensor, ...]:
+        return tuple(chunk[:, None] for chunk in modulation.chunk(6, dim=1))
 
 
 class AdaLayerNormFinal(nn.Module):
@@ -291,8 +294,8 @@ class AdaLayerNormFinal(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, 2 * dim)
 
-    def forward(self, x: Tensor, temb: Tensor) -> Tensor:
-        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=1)
+    def forward(self, x: Tensor, modulation: Tensor) -> Tensor:  # modulation [r, 2d]
+        scale, shift = modulation.chunk(2, dim=1)
         return _modulate(x, shift[:, None], scale[:, None])
 
 
@@ -371,9 +374,12 @@ class DoubleStreamBlock(nn.Module):
         self.ff_c = FeedForward(config.dim, config.ff_inner_dim)
         self.ff_x = FeedForward(config.dim, config.ff_inner_dim)
 
-    def forward(self, x: Tensor, c: Tensor, temb: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:
-        x_shift, x_scale, x_gate, x_shift_ff, x_scale_ff, x_gate_ff = self.attn_norm_x(temb)
-        c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = self.attn_norm_c(temb)
+    def forward(
+        self, x: Tensor, c: Tensor, modulation: tuple[Tensor, Tensor], layout: JointLayout
+    ) -> tuple[Tensor, Tensor]:
+        x_mod, c_mod = modulation  # [r, 6d] each, r = 1 or bc
+        x_shift, x_scale, x_gate, x_shift_ff, x_scale_ff, x_gate_ff = self.attn_norm_x(x_mod)
+        c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = self.attn_norm_c(c_mod)
         x_attn, c_attn = self.attn(_modulate(x, x_shift, x_scale), _modulate(c, c_shift, c_scale), layout)
         c = c + c_gate * c_attn
         c = c + c_gate_ff * self.ff_c(_modulate(c, c_shift_ff, c_scale_ff))
@@ -391,8 +397,8 @@ class SingleStreamBlock(nn.Module):
         self.attn = Attention(config.dim, config.heads, config.dim_head)
         self.ff = FeedForward(config.dim, config.ff_inner_dim)
 
-    def forward(self, h: Tensor, temb: Tensor, layout: SingleLayout) -> Tensor:
-        shift, scale, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(temb)
+    def forward(self, h: Tensor, modulation: Tensor, layout: SingleLayout) -> Tensor:  # modulation [r, 6d]
+        shift, scale, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(modulation)
         h = h + gate * self.attn(_modulate(h, shift, scale), layout)
         return h + gate_ff * self.ff(_modulate(h, shift_ff, scale_ff))
 
@@ -548,31 +554,58 @@ class AuKDiT(nn.Module):
             single=single,
         )
 
-    def forward(self, x: Tensor, t: Tensor | float, ctx: DiTContext) -> Tensor:
+    def _modulation_layers(self) -> list[nn.Module]:
+        """Every adaLN layer in the order their rows are laid out in :meth:`modulation`."""
+        layers: list[nn.Module] = []
+        for block in self.transformer_blocks:
+            layers += [block.attn_norm_x, block.attn_norm_c]
+        layers += [block.attn_norm for block in self.single_transformer_blocks]
+        return [*layers, self.norm_out]
+
+    @property
+    def modulation_widths(self) -> list[int]:
+        """Width of each adaLN layer's part of a :meth:`modulation` row, in layout order."""
+        return [layer.linear.out_features for layer in self._modulation_layers()]
+
+    def modulation(self, t: Tensor) -> Tensor:
+        """Every adaLN linear's output at times ``t`` [s]: the modulation rows [s, width], laid out block by
+        block (double blocks' audio then text, single blocks, the final norm).
+
+        They depend on t alone, so a sampler can compute them for a whole time grid once per render
+        (``forward(..., modulation=rows[i : i + 1])``) rather than re-reading every modulation weight each step."""
+        act = F.silu(self.time_embed(t))  # [s, d]
+        return torch.cat([layer.linear(act) for layer in self._modulation_layers()], dim=1)
+
+    def forward(self, x: Tensor, t: Tensor | float, ctx: DiTContext, modulation: Tensor | None = None) -> Tensor:
         """Velocity for every context row: x [b, n, l] noisy target (the ODE state, NOT doubled for CFG),
         t a 0-d or [b] time in [0, 1]. Returns [bc, n, l] in the weight dtype, cond rows then uncond rows.
 
-        The target is embedded once and shared by both CFG branches."""
+        ``modulation`` [1, width] is ``self.modulation(t[None])`` computed ahead (every row at the same t); when
+        None it is computed here, per row. The target is embedded once and shared by both CFG branches."""
         b = ctx.batch
         if x.shape != (b, ctx.target_len, self.config.latent_dim):
             raise InputError(f"x must be [{b}, {ctx.target_len}, {self.config.latent_dim}], got {tuple(x.shape)}")
-        t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
-        t = t.expand(b) if t.ndim == 0 else t
-        if t.shape != (b,):
-            raise InputError(f"t must be a scalar or of shape [{b}], got {tuple(t.shape)}")
+        if modulation is None:
+            t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+            t = t.expand(b) if t.ndim == 0 else t
+            if t.shape != (b,):
+                raise InputError(f"t must be a scalar or of shape [{b}], got {tuple(t.shape)}")
+            modulation = self.modulation(t)  # [b, width]
+            if ctx.cfg:
+                modulation = modulation.repeat(2, 1)  # [2b, width]: cond rows, then uncond rows
+        rows = iter(modulation.split(self.modulation_widths, dim=1))  # one [r, width_i] per adaLN layer, in layout order
 
-        temb = self.time_embed(t)  # [b, d]
         target = self.audio_embed(x.to(self.dtype), ctx.target_mask)  # [b, n, d]
         if ctx.cfg:
-            temb, target = temb.repeat(2, 1), target.repeat(2, 1, 1)  # [2b, ...]: cond rows, then uncond rows
+            target = target.repeat(2, 1, 1)  # [2b, n, d]: cond rows, then uncond rows
         audio = target if ctx.ref is None else torch.cat((ctx.ref, target), dim=1)  # [bc, na, d]
         text = ctx.text  # [bc, nt, d]
 
         for block in self.transformer_blocks:
-            audio, text = block(audio, text, temb, ctx.joint)
+            audio, text = block(audio, text, (next(rows), next(rows)), ctx.joint)
         h = torch.cat((text, audio), dim=1)  # [bc, ns, d]
         for block in self.single_transformer_blocks:
-            h = block(h, temb, ctx.single)
+            h = block(h, next(rows), ctx.single)
 
         h = h[:, -ctx.target_len :]  # [bc, n, d]: the target is the last n positions
-        return self.proj_out(self.norm_out(h, temb))  # [bc, n, l]
+        return self.proj_out(self.norm_out(h, next(rows)))  # [bc, n, l]
