@@ -268,6 +268,8 @@ class ThinkerTrunk(nn.Module):
         self.model = Qwen2_5OmniThinkerTextModel._from_config(thinker_config.text_config, attn_implementation="sdpa")
         self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(thinker_config.audio_config, attn_implementation="sdpa")
         self.audio_token_id = thinker_config.audio_token_index
+        # Set by the GPU fast path: an AudioTowerGraphs (audio_tower.py), the same math in fixed-shape chunks.
+        self.audio_runner = None
 
     def rebuild_computed_buffers(self, device: torch.device) -> None:
         """Recreate the parameter-free modules whose buffers are computed at init rather than stored in the
@@ -283,6 +285,8 @@ class ThinkerTrunk(nn.Module):
 
     def embed_audio(self, input_features: Tensor, feature_attention_mask: Tensor) -> Tensor:
         """Audio tower over the valid frames of each clip: [b, m, f] -> [na, d]."""
+        if self.audio_runner is not None and input_features.shape[0] == 1 and feature_attention_mask.ndim == 2:
+            return self.audio_runner(input_features, feature_attention_mask)
         frames = feature_attention_mask.sum(-1)  # [b]
         valid = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)  # [m, sum f]
         after_conv = (frames - 1) // 2 + 1  # [b]
