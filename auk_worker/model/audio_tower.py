@@ -64,8 +64,10 @@ def _encoder_layer(layer: nn.Module, x: Tensor, key_mask: Tensor, heads: int) ->
     """One pre-norm encoder layer over whole chunks: [c, t, d] -> [c, t, d]."""
     attn = layer.self_attn
     c, t, d = x.shape
-    h = layer.self_attn_layer_norm(x)
-    q, k, v = (proj(h).view(c, t, heads, d // heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    normed = layer.self_attn_layer_norm(x)
+    q, k, v = (  # each [c, h, t, dh]
+        proj(normed).view(c, t, heads, d // heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+    )
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=(d // heads) ** -0.5)  # [c, h, t, dh]
     x = x + attn.out_proj(o.transpose(1, 2).reshape(c, t, d))
     x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
