@@ -28,6 +28,7 @@ from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, InputError, ModelError, OutOfMemory
+from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.sampling import (
@@ -138,6 +139,8 @@ class AuKPipeline:
             sizes = deploy.encoder.compilation_config.cudagraph_capture_sizes
             if deploy.encoder.compilation_config.cudagraph_mode != "NONE" and sizes:
                 encoder.graphs = EncoderGraphs(encoder, sizes)
+                # The audio tower replays one graph per chunk count of the reference clip (all captured at warm-up).
+                encoder.trunk.audio_runner = AudioTowerGraphs(AudioTowerRunner(encoder.trunk.audio_tower))
 
     @property
     def variant(self) -> str:
@@ -200,6 +203,11 @@ class AuKPipeline:
         started = time.perf_counter()
         if self.encoder.graphs is not None:
             self.encoder.graphs.capture_all()
+        audio_graphs = self.encoder.trunk.audio_runner
+        if isinstance(audio_graphs, AudioTowerGraphs):
+            mel_hop = self.encoder.processor.feature_extractor.hop_length
+            longest_clip = int(THINKER_SAMPLE_RATE * MAX_TOTAL_SECONDS) // mel_hop  # mel frames of a 30 s clip
+            audio_graphs.capture_up_to(audio_graphs.runner.plan(longest_clip).chunks)
         if self.step_graphs is not None:
             model_config = self.deploy.dit.model_config
             clip = AudioClip(samples=np.zeros(3 * SAMPLE_RATE, dtype=np.float32), sample_rate=SAMPLE_RATE)

@@ -1,0 +1,131 @@
+"""Where the GPU time of each stage goes: the top kernels of one DiT step, one VAE decode and one audio-tower pass.
+
+    python -m bench.kernels [--text 155] [--frames 150] [--decode-frames 300] [--mel-frames 500]
+
+Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
+profiler sees each kernel; the decode and the audio tower run as the pipeline runs them. Prints one table per
+stage; used to choose what to optimise next, not to report latency (``bench.pipeline`` does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from auk_worker.accel import EncoderGraphs
+from auk_worker.model.dit import AuKDiT, DiTConfig
+from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
+from auk_worker.model.sampling import guided_velocity
+from auk_worker.model.tiny_qwen import write_tiny_qwen
+from auk_worker.model.vae import AuKVAE, VAEConfig
+from bench.dit_step import make_ctx, timed
+from bench.models import RELEASE_ARCH, release_thinker_config
+
+
+def profile(name: str, fn, rows: int) -> None:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    print(f"\n== {name}: {timed(fn, 10) * 1e3:.2f} ms wall (eager launch), GPU busy {busy_us / 1e3:.2f} ms "
+          f"in {launches} kernels", flush=True)
+    for e in kernels[:rows]:
+        share = e.self_device_time_total / busy_us
+        print(f"   {e.self_device_time_total / 1e3:7.3f} ms {share:6.1%} {e.count:5d} x  {e.key[:90]}", flush=True)
+
+
+def attention_backends(length: int) -> None:
+    """One block's joint attention (CFG rows, 24 heads of 64) per SDPA backend, with and without a key mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 24, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.ones(2, 1, 1, length, dtype=torch.bool, device="cuda")
+    mask[:, ..., -5:] = False
+    print(f"\n== attention [2, 24, {length}, 64] bf16, microseconds per call:", flush=True)
+    for backend in (None, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for masked in (False, True):
+            def call():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masked else None)
+            try:
+                if backend is None:
+                    elapsed = timed(lambda: [call() for _ in range(20)], 10) / 20
+                else:
+                    with sdpa_kernel([backend]):
+                        elapsed = timed(lambda: [call() for _ in range(20)], 10) / 20
+                print(f"   {str(backend):32s} mask={masked!s:5s} {elapsed * 1e6:8.1f}", flush=True)
+            except RuntimeError as exc:
+                print(f"   {str(backend):32s} mask={masked!s:5s} unsupported ({str(exc)[:60]})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels")
+    parser.add_argument("--text", type=int, default=155)
+    parser.add_argument("--frames", type=int, default=150)
+    parser.add_argument("--decode-frames", type=int, default=300)
+    parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
+    parser.add_argument("--pad", type=int, default=0, help="extra masked text and target positions (bucket padding)")
+    parser.add_argument("--rows", type=int, default=15, help="kernels listed per stage")
+    parser.add_argument("--stages", nargs="+", default=["dit", "decode", "audio", "encode"])
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        if "dit" in args.stages:
+            with torch.device("cuda"):
+                dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16)
+            dit.eval().requires_grad_(False)
+            for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
+                block.compile(fullgraph=True, dynamic=True)
+            ctx, x = make_ctx(dit, 1, args.text, 0, args.frames, args.pad)
+            velocity = guided_velocity(dit, ctx, 2.0)
+            t = torch.tensor(0.5, device="cuda")
+            profile(f"DiT CFG step, text {args.text}, frames {args.frames}", lambda: velocity(x, t, 3), args.rows)
+            del dit, ctx
+        if "attention" in args.stages:
+            attention_backends(args.text + args.frames + args.pad)
+        if "decode" in args.stages:
+            vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
+            latents = torch.randn(1, args.decode_frames, 64, device="cuda")
+            profile(f"VAE decode, {args.decode_frames} frames", lambda: vae.decode(latents), args.rows)
+            del vae
+        if "audio" in args.stages or "encode" in args.stages:
+            qwen_dir = Path(tempfile.mkdtemp(prefix="auk-qwen-")) / "qwen"
+            write_tiny_qwen(qwen_dir)
+            config = release_thinker_config(qwen_dir)
+            with torch.device("cuda"):
+                trunk = ThinkerTrunk(config).to(torch.bfloat16).eval().requires_grad_(False)
+        if "audio" in args.stages:
+            features = torch.randn(1, 128, args.mel_frames, device="cuda")
+            mask = torch.ones(1, args.mel_frames, dtype=torch.long, device="cuda")
+            profile(f"audio tower, {args.mel_frames} mel frames", lambda: trunk.embed_audio(features, mask), args.rows)
+        if "encode" in args.stages:
+            encoder = ThinkerEncoder(PromptProcessor.from_pretrained(qwen_dir), trunk, torch.randn(36), torch.ones(1))
+            encoder.graphs = EncoderGraphs(encoder, (64, 128, 192, 256, 384, 512))
+            encoder.graphs.capture_all()
+            instruction = "Speak slowly and warmly. " * 4
+            batch = encoder.processor(instruction, None)
+            ids = batch["input_ids"].cuda()
+            embeds = trunk.embed(ids)
+            print(f"\n== thinker encode, {ids.shape[1]} prompt tokens (text only):", flush=True)
+            for name, fn in (
+                ("processor (CPU)", lambda: encoder.processor(instruction, None)),
+                ("embedding lookup", lambda: trunk.embed(ids)),
+                ("text model + fusion, graph", lambda: encoder.graphs.fuse(embeds)),
+                ("text model + fusion, eager", lambda: encoder.fuse(embeds)),
+                ("whole encode", lambda: encoder.encode(instruction, None)),
+            ):
+                print(f"   {name:28s} {timed(fn, 10) * 1e3:7.2f} ms", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
