@@ -63,17 +63,28 @@ class ModulationTable:
     The rows depend on t alone (:meth:`AuKDiT.modulation`), so a render computes them for its grid in one batched
     pass instead of re-reading all the modulation weights (about a third of the DiT's) at every step. A graph reads
     row ``row`` and advances it; renders with more steps than ``capacity`` refill the table window by window.
+    The rows of the last few grids are kept, so a render on a recurring schedule only copies them in.
     """
 
-    def __init__(self, dit: AuKDiT, capacity: int) -> None:
+    def __init__(self, dit: AuKDiT, capacity: int, cached_grids: int = 4) -> None:
         width = sum(dit.modulation_widths)
         self.dit = dit
         self.capacity = capacity
         self.rows = torch.zeros(capacity, width, device=dit.device, dtype=dit.dtype)
         self.row = torch.zeros(1, dtype=torch.long, device=dit.device)
+        self.cached_grids = cached_grids
+        self.cache: OrderedDict[tuple[float, ...], Tensor] = OrderedDict()
 
     def fill(self, times: Tensor) -> None:  # times [k <= capacity] fp32
-        self.rows[: times.numel()].copy_(self.dit.modulation(times))
+        key = tuple(times.tolist())
+        rows = self.cache.get(key)
+        if rows is None:
+            rows = self.dit.modulation(times)  # [k, width]
+            self.cache[key] = rows
+            while len(self.cache) > self.cached_grids:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(key)
+        self.rows[: times.numel()].copy_(rows)
         self.row.zero_()
 
     def next(self) -> Tensor:  # [1, width]; call only inside a step

@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
             profile(f"VAE decode, {args.decode_frames} frames", lambda: vae.decode(latents), args.rows)
+            wav = torch.randn(1, args.mel_frames * 240, device="cuda")  # the reference clip at 24 kHz
+            profile(f"VAE encode, {wav.shape[1] / 24000:.1f} s clip", lambda: vae.encode(wav), args.rows)
             del vae
         if "audio" in args.stages or "encode" in args.stages:
             qwen_dir = Path(tempfile.mkdtemp(prefix="auk-qwen-")) / "qwen"
