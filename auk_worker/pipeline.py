@@ -146,6 +146,16 @@ class AuKPipeline:
     def variant(self) -> str:
         return self.release.variant
 
+    def sharing_weights(self, **changes: object) -> AuKPipeline:
+        """A second pipeline over the same loaded modules with some attributes replaced, e.g.
+        ``release=`` (the Flash recipe on these weights) or ``step_graphs=None, decode_graphs=None`` (eager)."""
+        unknown = sorted(set(changes) - set(vars(self)))
+        if unknown:
+            raise TypeError(f"AuKPipeline has no attribute(s) {unknown}")
+        twin = object.__new__(type(self))
+        vars(twin).update(vars(self), **changes)
+        return twin
+
     @classmethod
     def load(
         cls,

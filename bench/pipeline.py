@@ -133,9 +133,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.reset_peak_memory_stats()
         base = random_pipeline("base", args.device, args.precision, compile_blocks=not args.no_compile)
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
-        flash_pipe = object.__new__(type(base))
-        flash_pipe.__dict__.update(base.__dict__, release=flash)
-        flash = flash_pipe
+        flash = base.sharing_weights(release=flash)
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
     pipes = {"base": base, "flash": flash}
     if args.throughput:

@@ -3,6 +3,7 @@ batching, and the errors bad requests and bad checkpoints get."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import subprocess
@@ -67,6 +68,16 @@ def test_flash_pins_its_recipe(pipes):
     result = pipes["flash"].render(RenderRequest(INSTRUCT, gen_seconds=0.2, num_inference_steps=40, guidance_scale=3.0))
     assert result.num_inference_steps == 4 and result.guidance_scale == 0.0
     assert pipes["flash"].schedule(RenderRequest(INSTRUCT)).grid.tolist() == pytest.approx(FLASH_T_GRID)
+
+
+def test_a_twin_sharing_the_weights_changes_only_what_it_is_given(pipes):
+    base = pipes["base"]
+    flash = base.sharing_weights(release=dataclasses.replace(base.release, variant="flash"))
+    assert flash.dit is base.dit and flash.encoder is base.encoder and flash.vae is base.vae
+    assert flash.schedule(RenderRequest(INSTRUCT)).num_steps == 4
+    assert base.schedule(RenderRequest(INSTRUCT)).num_steps == 32
+    with pytest.raises(TypeError, match="no attribute"):
+        base.sharing_weights(step_graph=None)
 
 
 def test_base_takes_the_deploy_defaults(pipes):
