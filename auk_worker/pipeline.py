@@ -50,6 +50,7 @@ from auk_worker.types import (
     AudioClip,
     RenderRequest,
     RenderResult,
+    check_total_frames,
     frames_for_seconds,
 )
 
@@ -260,12 +261,7 @@ class AuKPipeline:
             frames = clip_samples_24k // HOP
         else:
             raise InputError("gen_seconds is required when no audio is given")
-        total = frames + clip_samples_24k // HOP
-        if total > MAX_TOTAL_FRAMES:
-            raise InputError(
-                f"clip ({clip_samples_24k / SAMPLE_RATE:.2f} s) plus target ({frames / FRAME_RATE:.2f} s) is "
-                f"{total / FRAME_RATE:.2f} s; at most {MAX_TOTAL_SECONDS:g} s is supported"
-            )
+        check_total_frames(frames, clip_samples_24k // HOP)
         return frames
 
     # ------------------------------------------------------------------ rendering

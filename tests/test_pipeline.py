@@ -259,3 +259,26 @@ def test_render_command_refuses_a_directory_that_is_no_checkpoint(tmp_path):
     done = run_cli("render", "--checkpoint", str(tmp_path), "--instruction", "x", "--gen-seconds", "1",
                    "--out", str(tmp_path / "o.wav"))
     assert done.returncode == 2 and "config.yaml is missing" in done.stderr
+
+
+@pytest.mark.parametrize("clip_seconds", [0.0, 20.0, 19.99])
+@pytest.mark.parametrize("gen_seconds", [10.0, 10.0000005, 10.01, 9.99])
+def test_the_api_and_the_engine_apply_one_length_rule(clip_seconds, gen_seconds):
+    """Near 30 s the API must refuse exactly what the worker would refuse (frames, not seconds)."""
+    from auk_worker.service.schema import AudioRef, JobRequest, check_total_length
+
+    gen_seconds = gen_seconds + (20.0 if clip_seconds == 0.0 else 0.0)
+    audio = AudioRef(key="clip.wav") if clip_seconds else None
+    job = JobRequest(instruction=INSTRUCT, audio=audio, gen_seconds=min(gen_seconds, 30.0))
+
+    def verdict(check) -> bool:
+        try:
+            check()
+        except InputError:
+            return False
+        return True
+
+    api = verdict(lambda: check_total_length(job, clip_seconds or None))
+    request = RenderRequest(INSTRUCT, gen_seconds=job.gen_seconds)
+    engine = verdict(lambda: AuKPipeline.target_frames(request, round(clip_seconds * 24_000)))
+    assert api == engine

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from auk_worker.errors import InputError
-from auk_worker.types import MAX_TOTAL_SECONDS
+from auk_worker.types import HOP, MAX_TOTAL_SECONDS, SAMPLE_RATE, check_total_frames, frames_for_seconds
 
 Variant = Literal["base", "flash"]
 OutputFormat = Literal["pcm16", "float32"]
@@ -68,9 +68,8 @@ def check_total_length(request: JobRequest, clip_seconds: float | None) -> float
     target = request.gen_seconds if request.gen_seconds is not None else clip
     if target <= 0:
         raise InputError("gen_seconds is required when no audio is given")
-    if clip + target > MAX_TOTAL_SECONDS + 1e-6:
-        raise InputError(
-            f"clip ({clip:.2f} s) plus target ({target:.2f} s) is {clip + target:.2f} s; "
-            f"the model renders at most {MAX_TOTAL_SECONDS:.0f} s in total"
-        )
+    # The engine's rule, on the same whole frames it will count (the clip's at 24 kHz, the target's rounded up).
+    clip_frames = round(clip * SAMPLE_RATE) // HOP
+    target_frames = frames_for_seconds(target) if request.gen_seconds is not None else clip_frames
+    check_total_frames(target_frames, clip_frames)
     return target
