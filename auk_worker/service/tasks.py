@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _REQUEST_FIELDS = frozenset(JobRequest.model_fields)
 PROGRESS_INTERVAL_S = 0.05  # a cancel is seen within this long (or one step, if steps are slower)
+MAX_UPLOADS_IN_FLIGHT = 8  # a group's results are uploaded and recorded this many at a time
 
 
 class Pipeline(Protocol):
@@ -227,18 +229,28 @@ def _render_members(rt: RenderRuntime, members: list[_Member]) -> dict[str, Exce
         )
     except Exception as exc:  # noqa: BLE001 - the whole call failed (every job canceled, or no pass ran)
         results = [exc] * len(members)
-    for member, result in zip(members, results):
+
+    def conclude(member: _Member, result: RenderResult | Exception) -> Exception | None:
         job_id = member.job_id
         try:
             if job_id in canceled or rt.store.is_canceled(job_id):
                 log.info("job %s: canceled during its group's render; result dropped", job_id)
                 _after_terminal(rt, job_id, None)
-                continue
+                return None
             if isinstance(result, Exception):
                 raise result
             _store_result(rt, job_id, member.request, result)
         except Exception as exc:  # noqa: BLE001 - recorded per job
-            _settle_into(rt, job_id, exc, retry)
+            return exc
+        return None
+
+    # The uploads and records are network round trips: the group's run concurrently (boto3 clients and redis-py
+    # clients are thread-safe), so a group of 8 waits about one upload, not eight.
+    with ThreadPoolExecutor(max_workers=min(len(members), MAX_UPLOADS_IN_FLIGHT)) as pool:
+        failures = list(pool.map(conclude, members, results))
+    for member, exc in zip(members, failures):
+        if exc is not None:
+            _settle_into(rt, member.job_id, exc, retry)
     return retry
 
 
