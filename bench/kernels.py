@@ -65,6 +65,19 @@ def attention_backends(length: int) -> None:
                 print(f"   {str(backend):32s} mask={masked!s:5s} {elapsed * 1e6:8.1f}", flush=True)
             except RuntimeError as exc:
                 print(f"   {str(backend):32s} mask={masked!s:5s} unsupported ({str(exc)[:60]})", flush=True)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        keep = mask[:, 0, 0, :]  # [2, length]
+        block_mask = create_block_mask(lambda b, h, qi, ki: keep[b, ki], 2, None, length, length, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+        elapsed = timed(lambda: [flex(q, k, v, block_mask=block_mask) for _ in range(20)], 10) / 20
+        print(f"   {'flex_attention':32s} mask=True  {elapsed * 1e6:8.1f}", flush=True)
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        diff = (flex(q, k, v, block_mask=block_mask).float() - reference.float()).abs().max()
+        print(f"   flex vs masked SDPA max abs difference {float(diff):.2e}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - a measurement, not a dependency
+        print(f"   flex_attention failed: {exc!r:.200}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
