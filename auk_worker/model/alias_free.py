@@ -8,12 +8,23 @@ doubled rate). The upsampler is always centred; the decimating low-pass is causa
 Module and buffer names follow the release checkpoint: ``act.alpha``, ``act.beta``, ``upsample.filter``,
 ``downsample.lowpass.filter``.
 
+Two equal formulations (same taps, same edges; sums rounded in a different order, ~1e-7 relative apart):
+
+- the convolution path (default, the reference): pad, depthwise ``conv_transpose1d``, crop, snake, pad, strided
+  depthwise ``conv1d``. Each step writes and re-reads a 2x-rate tensor.
+- the polyphase path (``use_fused_activations``): the 2x upsample is two phases of 6 taps, output samples 2i and
+  2i + 1 each a weighted sum of shifted input samples; snake runs on the phases; the decimator is a weighted sum of
+  12 strided slices of the (replicate-padded) interleaved phases. Only slicing, replicate padding, scalar-tap
+  products and elementwise ops: ``torch.compile`` fuses it into a couple of pointwise kernels. Eager, it is a
+  long chain of small ops and slower than the convolutions.
+
 Shapes: ``b`` batch, ``c`` channels, ``t`` samples at the activation's input rate.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -81,12 +92,31 @@ class UpSample(nn.Module):
         # The transposed conv grows 2(t + 2*pad) by TAPS - RATIO; cropping this much each side leaves exactly 2t.
         self.crop = self.pad * RATIO + (TAPS - RATIO) // 2  # 15
         self.register_buffer("filter", lowpass_taps())
+        # Polyphase form: cropped output RATIO*i + p is the full output m = RATIO*i + p + crop, which tap k reads
+        # from padded input q = (m - k) / RATIO, i.e. input i + offset with offset = (p + crop - k) / RATIO - pad.
+        self.phase_taps = tuple(
+            tuple((k, (p + self.crop - k) // RATIO - self.pad) for k in range(TAPS) if (p + self.crop - k) % RATIO == 0)
+            for p in range(RATIO)
+        )  # per phase, (tap, input offset) pairs; offsets -3 ... 3 here
+        offsets = [offset for phase in self.phase_taps for _, offset in phase]
+        self.phase_pad = (-min(offsets), max(offsets))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, 2t]
         channels = x.shape[1]
         x = F.pad(x, (self.pad, self.pad), mode="replicate")
         x = RATIO * F.conv_transpose1d(x, self.filter.expand(channels, -1, -1), stride=RATIO, groups=channels)
         return x[..., self.crop : x.shape[-1] - self.crop]
+
+    def phases(self, x: torch.Tensor) -> list[torch.Tensor]:  # [b, c, t] -> RATIO x [b, c, t]
+        """The same interpolation as ``forward``, as its RATIO phases: phase p holds output samples RATIO*i + p."""
+        t = x.shape[-1]
+        taps = self.filter.view(TAPS)
+        left = self.phase_pad[0]
+        x = F.pad(x, self.phase_pad, mode="replicate")  # [b, c, t + 6]
+        return [
+            RATIO * _weighted_sum((taps[k], x[..., left + offset : left + offset + t]) for k, offset in phase)
+            for phase in self.phase_taps
+        ]
 
 
 class LowPass(nn.Module):
@@ -102,6 +132,15 @@ class LowPass(nn.Module):
         x = F.pad(x, self.pad, mode="replicate")
         return F.conv1d(x, self.filter.expand(channels, -1, -1), stride=RATIO, groups=channels)
 
+    def from_phases(self, phases: list[torch.Tensor]) -> torch.Tensor:  # RATIO x [b, c, t] -> [b, c, t]
+        """``forward`` of the signal whose sample RATIO*i + p is ``phases[p][..., i]``, as strided slices."""
+        t = phases[0].shape[-1]
+        taps = self.filter.view(TAPS)
+        x = torch.stack(phases, dim=-1).flatten(-2)  # [b, c, t, RATIO] -> [b, c, RATIO*t], interleaved
+        x = F.pad(x, self.pad, mode="replicate")  # [b, c, RATIO*t + 11]
+        # Output i reads padded samples RATIO*i + k: slice k, step RATIO, holds them for every i.
+        return _weighted_sum((taps[k], x[..., k : k + RATIO * t : RATIO]) for k in range(TAPS))
+
 
 class DownSample(nn.Module):
     """Holds the decimating low-pass under ``lowpass`` (the checkpoint's key path)."""
@@ -115,16 +154,45 @@ class DownSample(nn.Module):
 
 
 class AliasFreeActivation(nn.Module):
-    """SnakeBeta evaluated at twice the sample rate between two low-pass filters."""
+    """SnakeBeta evaluated at twice the sample rate between two low-pass filters.
+
+    ``fused`` picks the polyphase formulation (see the module docstring); off by default.
+    """
 
     def __init__(self, channels: int, logscale: bool, causal: bool) -> None:
         super().__init__()
         self.act = SnakeBeta(channels, logscale)
         self.upsample = UpSample()
         self.downsample = DownSample(causal)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
+        if self.fused:
+            return self.polyphase(x)
         return self.downsample(self.act(self.upsample(x)))
+
+    def polyphase(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
+        """``forward`` without convolutions: interpolate as phases, snake each phase, decimate the phases."""
+        phases = [self.act(phase) for phase in self.upsample.phases(x)]
+        return self.downsample.lowpass.from_phases(phases)
+
+
+def use_fused_activations(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every ``AliasFreeActivation`` in ``model`` to the polyphase path (or back); returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, AliasFreeActivation):
+            module.fused = enabled
+            count += 1
+    return count
+
+
+def _weighted_sum(terms: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """sum(tap * x) over (0-d tap, x) pairs, accumulated left to right."""
+    total = None
+    for tap, x in terms:
+        total = tap * x if total is None else total + tap * x
+    return total
 
 
 def activation_span(lo: int, hi: int, causal: bool) -> tuple[int, int]:

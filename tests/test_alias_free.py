@@ -1,0 +1,250 @@
+"""The alias-free activation's polyphase form against its convolution form, and the compiled VAE decoder.
+
+The polyphase form must reproduce the convolutions' edges exactly (replicate padding, the crop of 15, causal or
+centred decimation, odd and tiny lengths) and read its taps from the checkpoint's filter buffers. The compiled
+decoder must equal the eager one and serve a second latent length without recompiling. Inductor's C++ build of a
+whole decoder takes minutes on a small CPU, so here only one activation goes through inductor and the decoder
+through dynamo's tracing alone; the whole compiled decoder runs on a GPU (inside a CUDA graph, as the worker
+captures it) or on the CPU with ``AUK_SLOW_TESTS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from auk_worker.model.alias_free import (
+    TAPS,
+    AliasFreeActivation,
+    UpSample,
+    activation_span,
+    use_fused_activations,
+)
+from auk_worker.model.vae import AuKVAE, VAEConfig
+from tests.test_vae import TINY, latents, random_vae
+
+LENGTHS = [*range(1, 34), 64, 101, 256]
+# The decoder's structure (stages of a transposed conv and AMP blocks, activation_post, conv_post) at a size that
+# traces in seconds: 2 stages of one k3 block with dilations 1 and 3.
+MINI = VAEConfig(
+    downsample_rate=4,
+    upsample_rates=(2, 2),
+    upsample_kernel_sizes=(4, 4),
+    upsample_initial_channel=8,
+    resblock_kernel_sizes=(3,),
+    resblock_dilation_sizes=((1, 3),),
+    downsample_rates=(2, 2),
+    downsample_channels=(12, 12, 12),
+)
+
+
+def activation(causal: bool, logscale: bool, channels: int = 3, seed: int = 0) -> AliasFreeActivation:
+    torch.manual_seed(seed)
+    act = AliasFreeActivation(channels, logscale, causal)
+    with torch.no_grad():
+        if logscale:
+            act.act.alpha.normal_(std=0.5)
+            act.act.beta.normal_(std=0.5)
+        else:
+            act.act.alpha.uniform_(0.5, 2.0)
+            act.act.beta.uniform_(0.5, 2.0)
+    return act.eval().requires_grad_(False)
+
+
+def both_paths(act: AliasFreeActivation, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(convolution path, polyphase path) of the same module on ``x``."""
+    act.fused = False
+    reference = act(x)
+    act.fused = True
+    fused = act(x)
+    act.fused = False
+    return reference, fused
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ----------------------------------------------------------------------------------------------- polyphase
+
+
+def test_phase_table_splits_the_taps_between_two_phases():
+    up = UpSample()
+    even, odd = up.phase_taps
+    assert [k for k, _ in even] == [1, 3, 5, 7, 9, 11] and [k for k, _ in odd] == [0, 2, 4, 6, 8, 10]
+    assert [o for _, o in even] == [2, 1, 0, -1, -2, -3] and [o for _, o in odd] == [3, 2, 1, 0, -1, -2]
+    assert up.phase_pad == (3, 3)
+
+
+@pytest.mark.parametrize("logscale", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_polyphase_equals_the_convolutions(causal: bool, logscale: bool):
+    act = activation(causal, logscale)
+    generator = torch.Generator().manual_seed(1)
+    for t in LENGTHS:
+        x = torch.randn(2, 3, t, generator=generator)
+        reference, fused = both_paths(act, x)
+        assert fused.shape == reference.shape == (2, 3, t)
+        assert relative(fused, reference) < 1e-6, t
+
+
+def test_polyphase_edges_with_a_step_and_a_constant():
+    """Replicate padding: a constant passes through the linear parts unchanged; a step's edges stay exact."""
+    act = activation(causal=True, logscale=True)
+    constant = torch.full((1, 3, 7), 0.7)
+    reference, fused = both_paths(act, constant)
+    assert relative(fused, reference) < 1e-6
+    torch.testing.assert_close(fused, act.act(constant), rtol=1e-6, atol=1e-6)  # DC gain 1 both ways
+    step = torch.cat([torch.full((1, 3, 4), -1.0), torch.full((1, 3, 5), 2.0)], dim=-1)
+    for causal in (True, False):
+        reference, fused = both_paths(activation(causal, logscale=True), step)
+        assert relative(fused, reference) < 1e-6
+
+
+def test_polyphase_reads_the_filter_buffers():
+    """Changed taps change both paths alike: the polyphase form bakes in no copy of the filter."""
+    act = activation(causal=True, logscale=True)
+    x = torch.randn(2, 3, 23, generator=torch.Generator().manual_seed(2))
+    before = both_paths(act, x)[1]
+    with torch.no_grad():
+        act.upsample.filter.mul_(torch.linspace(0.8, 1.2, TAPS))
+        act.downsample.lowpass.filter.mul_(torch.linspace(1.2, 0.8, TAPS))  # the taps are symmetric
+    reference, fused = both_paths(act, x)
+    assert relative(fused, reference) < 1e-6
+    assert relative(fused, before) > 1e-3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_activation_span_is_what_the_polyphase_form_reads(causal: bool):
+    """Perturbing input j moves output u exactly when j lies in activation_span(u, u)."""
+    act = activation(causal, logscale=True, channels=1)
+    act.fused = True
+    t, u = 40, 20
+    x = torch.randn(1, 1, t, generator=torch.Generator().manual_seed(3))
+    base = act(x)[0, 0, u]
+    moved = []
+    for j in range(t):
+        bumped = x.clone()
+        bumped[..., j] += 0.5
+        if act(bumped)[0, 0, u] != base:
+            moved.append(j)
+    lo, hi = activation_span(u, u, causal)
+    assert moved == list(range(lo, hi + 1))
+
+
+def test_switch_defaults_off_and_keeps_the_checkpoint_keys():
+    model = AuKVAE(TINY)
+    activations = [m for m in model.modules() if isinstance(m, AliasFreeActivation)]
+    assert not any(m.fused for m in activations)
+    keys = set(model.state_dict())
+    assert use_fused_activations(model) == len(activations) == 18 * 6 + 1
+    assert all(m.fused for m in activations)
+    assert set(model.state_dict()) == keys
+    assert "resblocks.3.activations.2.upsample.filter" in keys
+    assert "activation_post.downsample.lowpass.filter" in keys
+    use_fused_activations(model, False)
+    assert not any(m.fused for m in activations)
+
+
+def test_fused_decoder_equals_the_convolution_decoder():
+    vae = random_vae()
+    z = latents(6)
+    reference = vae.decode(z)
+    use_fused_activations(vae)
+    fused = vae.decode(z)
+    assert relative(fused, reference) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------- compiled
+
+
+def mini_vae() -> AuKVAE:
+    torch.manual_seed(0)
+    model = AuKVAE(MINI)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith((".alpha", ".beta")):
+                param.normal_(std=0.2)
+    return model.eval().requires_grad_(False)
+
+
+def test_compiled_decoder_traces_whole_and_serves_new_lengths_without_recompiling():
+    """Dynamo's tracing only (backend "eager"): one full graph, dynamic in the latent length."""
+    torch._dynamo.reset()
+    vae = mini_vae()
+    short, long = latents(9), latents(14, seed=2)
+    expected = vae.decode(short), vae.decode(long)
+    vae.compile_decoder(dynamic=True, backend="eager")
+    assert all(m.fused for m in vae.modules() if isinstance(m, AliasFreeActivation))
+    first = vae.decode(short)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        second = vae.decode(long)
+        tiled = vae.decode_tiled(latents(30, seed=3), tile_frames=14, left=2, right=2)  # strided windows
+    assert tiled.shape == (1, 30 * MINI.downsample_rate)
+    assert relative(first, expected[0]) < 1e-5 and relative(second, expected[1]) < 1e-5
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor's CPU backend needs a C++ compiler")
+def test_inductor_fuses_the_activation_without_recompiling():
+    torch._dynamo.reset()
+    act = activation(causal=True, logscale=True, channels=4)
+    x, y = torch.randn(1, 4, 50), torch.randn(1, 4, 77)
+    expected = act(x), act(y)
+    act.fused = True
+    compiled = torch.compile(act, dynamic=True, fullgraph=True)
+    first = compiled(x)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        second = compiled(y)
+    assert relative(first, expected[0]) < 1e-6 and relative(second, expected[1]) < 1e-6
+
+
+def _devices() -> list:
+    slow = os.environ.get("AUK_SLOW_TESTS") == "1"
+    return [
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not slow, reason="inductor's C++ build of the whole tiny decoder takes ~6 min on 2 cores; AUK_SLOW_TESTS=1"
+            ),
+        ),
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ]
+
+
+@pytest.fixture
+def exact_fp32():
+    """TF32 off for the comparison, restored afterwards."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_inductor_decoder_equals_eager(device: str, exact_fp32: None):
+    """The whole tiny decoder through inductor, at two lengths, one compilation. On a GPU it is replayed from
+    CUDA graphs exactly as the worker's ``DecodeGraphs`` captures it (one warm-up call, then capture)."""
+    torch._dynamo.reset()
+    vae = random_vae().to(device)
+    short, long = latents(9).to(device), latents(13, seed=2).to(device)
+    expected = vae.decode(short), vae.decode(long)
+    vae.compile_decoder(dynamic=True)
+    if device == "cuda":
+        from auk_worker.accel import DecodeGraphs
+
+        decode = DecodeGraphs(vae, max_graphs=4).decode
+    else:
+        decode = vae.decode
+    first = decode(short)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        second = decode(long)
+        again = decode(short)
+    assert relative(first, expected[0]) < 1e-5 and relative(second, expected[1]) < 1e-5
+    assert torch.equal(again, first)
+
