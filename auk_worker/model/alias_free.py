@@ -15,8 +15,10 @@ Two equal formulations (same taps, same edges; sums rounded in a different order
 - the polyphase path (``use_fused_activations``): the 2x upsample is two phases of 6 taps, output samples 2i and
   2i + 1 each a weighted sum of shifted input samples; snake runs on the phases; the decimator is a weighted sum of
   12 strided slices of the (replicate-padded) interleaved phases. Only slicing, replicate padding, scalar-tap
-  products and elementwise ops: ``torch.compile`` fuses it into a couple of pointwise kernels. Eager, it is a
-  long chain of small ops and slower than the convolutions.
+  products and elementwise ops: ``torch.compile`` fuses it into two pointwise kernels (snake on both phases,
+  written interleaved; then the decimator). Eager it is ~40 small ops: on a CPU faster than the convolutions
+  for long narrow signals (24 channels x 48k samples: 60 vs 101 ms), slower for short wide ones (384 x 1200:
+  9.7 vs 5.1 ms).
 
 Shapes: ``b`` batch, ``c`` channels, ``t`` samples at the activation's input rate.
 """
