@@ -135,6 +135,9 @@ class AuKPipeline:
         self.decode_graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not deploy.dit.enforce_eager:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
+            if compile_blocks:
+                # Fuses each anti-aliased activation into two kernels; one dynamic compile serves every length.
+                vae.compile_decoder()
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
         if device.type == "cuda" and not deploy.encoder.enforce_eager:
             sizes = deploy.encoder.compilation_config.cudagraph_capture_sizes
@@ -227,9 +230,12 @@ class AuKPipeline:
                     if frames + (0 if audio is None else 150) > MAX_TOTAL_FRAMES:
                         continue
                     self.render(RenderRequest(WARM_UP_INSTRUCTION, audio=audio, gen_seconds=frames / FRAME_RATE))
-            for frames in model_config.auk_vae_compile_shapes:
-                with torch.inference_mode():
-                    self._decode(torch.zeros(1, frames, self.release.dit.latent_dim, device=self.device))
+            latent_dim = self.release.dit.latent_dim
+            with torch.inference_mode():
+                for frames in model_config.auk_vae_compile_shapes:
+                    self._decode(torch.zeros(1, frames, latent_dim, device=self.device))
+                if self.deploy.dit.max_num_seqs > 1:  # equal-length jobs of a pass decode together: compile that now
+                    self._decode(torch.zeros(2, min(model_config.auk_vae_compile_shapes), latent_dim, device=self.device))
         self.startup["warm_up"] = time.perf_counter() - started
 
     # ------------------------------------------------------------------ request resolution
