@@ -14,6 +14,8 @@ Nothing here changes what is computed; it changes how the kernels are launched:
 - ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes.
 - ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
   buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket.
+- ``EncodeGraphs`` replays the VAE encoder over reference clips zero-padded to whole seconds, exactly (the
+  encoder cuts each conv output back to the clip's own length).
 
 Eager and graph paths use the same modules and the same fp32 state arithmetic; the remaining difference comes
 from compiled kernels (fused reductions round differently) and is measured by the GPU tests.
@@ -225,6 +227,61 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = self.vae.decode(static_in)
         return graph, static_in, static_out
+
+
+class EncodeGraphs:
+    """The VAE encoder (reference clips) replayed from one CUDA graph per padded clip length.
+
+    A clip is zero-padded to the next multiple of ``bucket_samples`` and encoded with its true length, which cuts
+    every conv output back to what the clip alone gives (see ``Encoder.forward``), so the frames kept equal an
+    unpadded encode. The length rule bounds the buckets (30 at 1 s), so every graph is kept; ``capture_up_to``
+    takes them at start-up. The posterior draw (``sample``) runs after the graph, on the kept frames.
+    """
+
+    def __init__(self, vae: AuKVAE, bucket_samples: int) -> None:
+        self.vae = vae
+        self.bucket_samples = bucket_samples
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture_up_to(self, samples: int) -> None:
+        for bucket in range(self.bucket_samples, samples + self.bucket_samples, self.bucket_samples):
+            self._graph(bucket)
+
+    def encode(self, wav: Tensor, sample: bool = False, generator: torch.Generator | None = None) -> Tensor:
+        """``AuKVAE.encode`` for one clip [1, t] -> [1, n, d]; anything else takes the eager encode."""
+        t = wav.shape[-1]
+        if wav.dim() != 2 or wav.shape[0] != 1 or t < self.vae.hop:
+            return self.vae.encode(wav, sample=sample, generator=generator)  # which names what is wrong
+        graph, static_wav, static_len, static_stats = self._graph(-(-t // self.bucket_samples) * self.bucket_samples)
+        static_wav.zero_()
+        static_wav[:, :t].copy_(wav)
+        static_len.fill_(t)
+        graph.replay()
+        stats = static_stats[..., : self.vae.encoded_frames(t)].clone()  # [1, 2d, n]
+        return self.vae.latents(stats, sample=sample, generator=generator)
+
+    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]:
+        if bucket not in self.graphs:
+            device = self.vae.global_mean.device
+            static_wav = torch.zeros(1, bucket, device=device)
+            static_len = torch.full((1,), bucket, dtype=torch.long, device=device)
+
+            def run() -> Tensor:
+                with torch.autocast(device_type="cuda", enabled=False):
+                    return self.vae.audio_encoder(static_wav[:, None, :].to(self.vae.dtype), static_len)
+
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                run()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_stats = run()  # [1, 2d, frames of the bucket]
+            self.graphs[bucket] = (graph, static_wav, static_len, static_stats)
+            log.info("vae encode graphs: captured %d samples (%d cached)", bucket, len(self.graphs))
+        return self.graphs[bucket]
 
 
 class EncoderGraphs:

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from auk_worker.accel import DecodeGraphs, EncoderGraphs, StepGraphs
+from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, StepGraphs
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
@@ -133,12 +133,14 @@ class AuKPipeline:
         self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
         self.step_graphs: StepGraphs | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.encode_graphs: EncodeGraphs | None = None
         if device.type == "cuda" and not deploy.dit.enforce_eager:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             if compile_blocks:
                 # Fuses each anti-aliased activation into two kernels; one dynamic compile serves every length.
                 vae.compile_decoder()
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
+            self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)  # reference clips padded to whole seconds
         if device.type == "cuda" and not deploy.encoder.enforce_eager:
             sizes = deploy.encoder.compilation_config.cudagraph_capture_sizes
             if deploy.encoder.compilation_config.cudagraph_mode != "NONE" and sizes:
@@ -212,8 +214,9 @@ class AuKPipeline:
         return pipe
 
     def warm_up(self) -> None:
-        """On the graph path, capture the common shapes now rather than on the first jobs: the deploy config's
-        warm-up target lengths, text-only and with a reference, and the VAE decode buckets."""
+        """On the graph path, capture the common shapes now rather than on the first jobs: the thinker's prompt
+        sizes and the audio tower's chunk counts, the deploy config's warm-up target lengths (text-only and with a
+        reference), every reference-clip bucket of the VAE encode and the VAE decode buckets."""
         started = time.perf_counter()
         if self.encoder.graphs is not None:
             self.encoder.graphs.capture_all()
@@ -232,6 +235,8 @@ class AuKPipeline:
                     self.render(RenderRequest(WARM_UP_INSTRUCTION, audio=audio, gen_seconds=frames / FRAME_RATE))
             latent_dim = self.release.dit.latent_dim
             with torch.inference_mode():
+                if self.encode_graphs is not None:  # every clip length the 30 s rule allows
+                    self.encode_graphs.capture_up_to(MAX_TOTAL_FRAMES * HOP)
                 for frames in model_config.auk_vae_compile_shapes:
                     self._decode(torch.zeros(1, frames, latent_dim, device=self.device))
                 if self.deploy.dit.max_num_seqs > 1:  # equal-length jobs of a pass decode together: compile that now
@@ -347,7 +352,8 @@ class AuKPipeline:
                 vae_gen = None
                 if request.vae_sample:
                     vae_gen = make_generator((schedule.seed + VAE_SEED_OFFSET) % MAX_SEED, self.device)
-                ref = self.vae.encode(wav, sample=request.vae_sample, generator=vae_gen)[0]  # [np, l]
+                encode = self.encode_graphs.encode if self.encode_graphs is not None else self.vae.encode
+                ref = encode(wav, sample=request.vae_sample, generator=vae_gen)[0]  # [np, l]
                 ref_valid = self.vae.valid_frames(len(clip_24k))
             timings["vae_encode"] = self._clock() - started
             noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))

@@ -37,7 +37,7 @@ def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def eager(pipe):
     """The same pipeline with the graph path switched off."""
-    return pipe.sharing_weights(step_graphs=None, decode_graphs=None)
+    return pipe.sharing_weights(step_graphs=None, decode_graphs=None, encode_graphs=None)
 
 
 def test_release_size_renders_six_seconds(pipe):
@@ -117,3 +117,17 @@ def test_compiled_decode_matches_the_convolution_path(pipe):
         diff = float((fast - reference).norm() / reference.norm())
         print(f"decode, {frames} frames: compiled graphs vs convolutions relative L2 difference {diff:.3e}")
         assert diff < 1e-2
+
+
+def test_encode_graphs_match_the_eager_encode(pipe):
+    """Reference clips zero-padded to whole seconds and replayed from graphs against the plain encode."""
+    generator = torch.Generator("cuda").manual_seed(2)
+    for samples in (24_000, 30_241, 121_999):  # a whole bucket, just past one, five seconds less a sample
+        wav = 0.1 * torch.randn(1, samples, device="cuda", generator=generator)
+        with torch.inference_mode():
+            fast = pipe.encode_graphs.encode(wav)
+            reference = pipe.vae.encode(wav)
+        assert fast.shape == reference.shape == (1, pipe.vae.encoded_frames(samples), 64)
+        diff = float((fast - reference).norm() / reference.norm())
+        print(f"vae encode, {samples} samples: graphs vs eager relative L2 difference {diff:.3e}")
+        assert diff < 1e-3

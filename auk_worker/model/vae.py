@@ -160,6 +160,11 @@ class UpsampleConv(nn.ConvTranspose1d):
         return x[..., : x.shape[-1] - self.trim]
 
 
+def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Zero every sample at or past ``lengths`` [b] of ``x`` [b, c, t]."""
+    return x * (torch.arange(x.shape[-1], device=x.device) < lengths[:, None])[:, None, :]
+
+
 class EncoderConv(nn.Module):
     """Symmetric-padded conv held under ``layer`` (the checkpoint's key path)."""
 
@@ -169,6 +174,11 @@ class EncoderConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:  # [b] -> [b]
+        conv = self.layer
+        reach = conv.kernel_size[0] - 1 - 2 * conv.padding[0]
+        return torch.where(lengths > reach, (lengths - reach - 1) // conv.stride[0] + 1, 0)
 
 
 class ResStack(nn.Module):
@@ -186,9 +196,14 @@ class ResStack(nn.Module):
             for i in range(depth)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers:
-            x = x + layer(x)
+            if lengths is None:
+                x = x + layer(x)
+                continue
+            act_a, conv_a, act_b, conv_b = layer
+            h = _zero_past(conv_a(act_a(x)), lengths)  # see Encoder.forward on why every conv output is cut
+            x = x + _zero_past(conv_b(act_b(h)), lengths)
         return x
 
 
@@ -204,8 +219,23 @@ class Encoder(nn.Module):
         layers.append(EncoderConv(widths[-1], 2 * config.latent_dim, 3))
         self.generator = nn.Sequential(*layers)
 
-    def forward(self, wav: torch.Tensor) -> torch.Tensor:
-        return self.generator(wav)
+    def forward(self, wav: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, 1, t] -> [b, 2d, n]. With ``lengths`` [b], only the first ``lengths`` samples of each row are the
+        clip and the rest is zero padding: every conv output is cut back to the length the unpadded clip would
+        give it, so the padding reaches each conv exactly as its own zero padding would, and the first n frames
+        equal an encode of the clip alone. Shapes then depend on t only (a CUDA graph per padded length)."""
+        if lengths is None:
+            return self.generator(wav)
+        x = _zero_past(wav, lengths)
+        for layer in self.generator:
+            if isinstance(layer, EncoderConv):
+                lengths = layer.output_lengths(lengths)
+                x = _zero_past(layer(x), lengths)
+            elif isinstance(layer, ResStack):
+                x = layer(x, lengths)
+            else:  # LeakyReLU keeps zeros zero
+                x = layer(x)
+        return x
 
 
 class AMPBlock(nn.Module):
@@ -294,6 +324,14 @@ class AuKVAE(nn.Module):
             raise AudioError(f"vae encode needs at least {self.hop} samples, got {wav.shape[1]}")
         with torch.autocast(device_type=wav.device.type, enabled=False):
             stats = self.audio_encoder(wav[:, None, :].to(self.dtype)).float()  # [b, 1, t] -> [b, 2d, n]
+        return self.latents(stats, sample, generator)
+
+    def latents(
+        self, stats: torch.Tensor, sample: bool = False, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """The encoder's statistics [b, 2d, n] -> [b, n, d] normalised latents (the second half of ``encode``)."""
+        with torch.autocast(device_type=stats.device.type, enabled=False):
+            stats = stats.float()
             mean, log_std = stats.chunk(2, dim=1)  # [b, d, n] each
             z = mean
             if sample:
