@@ -7,8 +7,8 @@ Nothing here changes what is computed; it changes how the kernels are launched:
   The time grid, the step index and the guidance scale live in device buffers that the graph reads, and the
   step index advances inside the graph, so one graph serves every step and every schedule: a render copies its
   context in once and replays the graph ``num_steps`` times. The adaLN modulation rows of the whole grid are
-  computed once per render (``ModulationTable``) and the graph reads its step's row. At most ``max_dit_graphs`` are kept; a full cache
-  is retired whole before a new capture (the deploy config's rule).
+  computed once per render (``ModulationTable``) and the graph reads its step's row. At most ``max_dit_graphs``
+  are kept; a full cache is retired whole before a new capture (the deploy config's rule).
 - The repeated blocks are compiled (regional ``torch.compile``) before capture when ``compile_blocks`` is set, so
   the graph replays fused kernels.
 - ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes.
