@@ -119,6 +119,7 @@ class AuKPipeline:
         precision: Precision,
         model_hashes: dict[str, str],
         compile_blocks: bool = True,
+        vae_fast_paths: bool = False,
     ) -> None:
         self.release = release
         self.deploy = deploy
@@ -136,11 +137,13 @@ class AuKPipeline:
         self.encode_graphs: EncodeGraphs | None = None
         if device.type == "cuda" and not deploy.dit.enforce_eager:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
-            if compile_blocks:
-                # Fuses each anti-aliased activation into two kernels; one dynamic compile serves every length.
+            if vae_fast_paths:
+                # Opt-in until measured on a GPU (their numbers are tested on the CPU; their start-up cost is not
+                # known): the decoder compiled with fused anti-aliased activations, and the reference encode
+                # replayed from graphs per whole-second bucket.
                 vae.compile_decoder()
+                self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
-            self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)  # reference clips padded to whole seconds
         if device.type == "cuda" and not deploy.encoder.enforce_eager:
             sizes = deploy.encoder.compilation_config.cudagraph_capture_sizes
             if deploy.encoder.compilation_config.cudagraph_mode != "NONE" and sizes:
@@ -239,7 +242,9 @@ class AuKPipeline:
                     self.encode_graphs.capture_up_to(MAX_TOTAL_FRAMES * HOP)
                 for frames in model_config.auk_vae_compile_shapes:
                     self._decode(torch.zeros(1, frames, latent_dim, device=self.device))
-                if self.deploy.dit.max_num_seqs > 1:  # equal-length jobs of a pass decode together: compile that now
+                if self.vae.compiled_decoder is not None and self.deploy.dit.max_num_seqs > 1:
+                    # Equal-length jobs of a pass decode together: the compiled decoder specialises b = 1, so
+                    # compile the batched case now rather than on a job.
                     self._decode(torch.zeros(2, min(model_config.auk_vae_compile_shapes), latent_dim, device=self.device))
         self.startup["warm_up"] = time.perf_counter() - started
 

@@ -71,6 +71,7 @@ def random_pipeline(
     precision: Precision = "fast",
     deploy: DeployConfig | None = None,
     compile_blocks: bool = True,
+    vae_fast_paths: bool = False,
     seed: int = 0,
 ) -> AuKPipeline:
     """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times)."""
@@ -105,7 +106,7 @@ def random_pipeline(
         qwen_dir=qwen_dir,
     )
     pipe = AuKPipeline(release, deploy, encoder, dit, vae, device, precision, {"dit": "random", "vae": "random"},
-                       compile_blocks=compile_blocks)
+                       compile_blocks=compile_blocks, vae_fast_paths=vae_fast_paths)
     pipe.startup["load"] = time.perf_counter() - started
     pipe.warm_up()
     return pipe
