@@ -28,7 +28,15 @@ from types import FrameType
 import httpx
 
 from auk_worker.errors import AuKError
-from auk_worker.service.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, port_free
+from auk_worker.service.local import (
+    REPO,
+    ApiProcess,
+    RedisServer,
+    S3Server,
+    WorkerProcess,
+    connection_env,
+    port_free,
+)
 
 SAMPLE_RATE = 24_000
 HOP = 480  # samples per latent frame at 24 kHz
@@ -170,20 +178,10 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"starting redis-server and SeaweedFS S3 (logs and data under {workdir})")
         redis_server.start()
         s3.start()
-        env = {
-            "AUK_REDIS_URL": redis_server.url,
-            "AUK_S3_ENDPOINT": s3.endpoint,
-            "AUK_S3_ACCESS_KEY": s3.access_key,
-            "AUK_S3_SECRET_KEY": s3.secret_key,
-            "AUK_S3_REGION": s3.region,
-            "AUK_S3_BUCKET": BUCKET,
-            "AUK_S3_INPUT_BUCKET": BUCKET,
-            "AUK_S3_PREFIX": PREFIX,
-            "AUK_VARIANT": variant,
-            "AUK_PIPELINE": "auk",
-            "AUK_CHECKPOINT": str(checkpoint),
-            "AUK_DEPLOY_CONFIG": str(deploy),
-        }
+        env = connection_env(
+            redis_server, s3, S3_BUCKET=BUCKET, S3_INPUT_BUCKET=BUCKET, S3_PREFIX=PREFIX, VARIANT=variant,
+            PIPELINE="auk", CHECKPOINT=str(checkpoint), DEPLOY_CONFIG=str(deploy),
+        )
         say(f"starting the worker ({variant}, {deploy.name}) and the API on 127.0.0.1:{port}")
         worker = WorkerProcess(env, "demo-worker", workdir).start()
         api = ApiProcess({**env, "AUK_API_KEYS": api_key}, port, workdir / "api.log").start()

@@ -30,7 +30,7 @@ from pathlib import Path
 from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.settings import Settings
-from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess
+from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env
 
 log = logging.getLogger("bench.queue_overhead")
 
@@ -119,15 +119,7 @@ def run(jobs: int, warmup: int, gen_seconds: float, steps: int, out_dir: Path) -
         s3 = S3Server(work / "s3").start()
         worker = None
         try:
-            env = {
-                "AUK_REDIS_URL": redis_server.url,
-                "AUK_S3_ENDPOINT": s3.endpoint,
-                "AUK_S3_ACCESS_KEY": s3.access_key,
-                "AUK_S3_SECRET_KEY": s3.secret_key,
-                "AUK_S3_BUCKET": "auk-bench",
-                "AUK_VARIANT": "base",
-                "AUK_PIPELINE": "instant",
-            }
+            env = connection_env(redis_server, s3, S3_BUCKET="auk-bench", VARIANT="base", PIPELINE="instant")
             settings = Settings.from_env(env)
             worker = WorkerProcess(env, "bench-worker", work).start()
             client = redis_server.client()

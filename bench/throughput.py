@@ -40,10 +40,7 @@ from auk_worker.deploy import load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from bench.common import write_result
 
-try:  # the process managers moved into the package; older trees keep them with the tests
-    from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, free_port
-except ImportError:  # pragma: no cover - depends on the tree's age
-    from tests.service.harness import REPO, RedisServer, S3Server, WorkerProcess, free_port
+from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 
 log = logging.getLogger("bench.throughput")
 
@@ -78,17 +75,10 @@ class ServiceUnderTest:
     def start(self, ready_timeout: float) -> ServiceUnderTest:
         self.redis.start()
         self.s3.start()
-        env = {
-            "AUK_REDIS_URL": self.redis.url,
-            "AUK_S3_ENDPOINT": self.s3.endpoint,
-            "AUK_S3_ACCESS_KEY": self.s3.access_key,
-            "AUK_S3_SECRET_KEY": self.s3.secret_key,
-            "AUK_S3_BUCKET": "auk-bench",
-            "AUK_VARIANT": "base",
-            "AUK_PIPELINE": PIPELINE_ENV[self.pipeline],
-            "AUK_DEPLOY_CONFIG": str(self.deploy_config),
-            "AUK_VISIBILITY_TIMEOUT": "7200",
-        }
+        env = connection_env(
+            self.redis, self.s3, S3_BUCKET="auk-bench", VARIANT="base", PIPELINE=PIPELINE_ENV[self.pipeline],
+            DEPLOY_CONFIG=str(self.deploy_config), VISIBILITY_TIMEOUT="7200",
+        )
         if self.checkpoint is not None:
             env["AUK_CHECKPOINT"] = str(self.checkpoint)
         port = free_port()

@@ -9,6 +9,8 @@ Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the 
 - ``WorkerProcess``: ``python -m auk_worker.service.worker`` as a real subprocess with its own environment;
   waits for its heartbeat, and can be sent SIGKILL or SIGTERM by PID.
 - ``ApiProcess``: ``python -m api`` (uvicorn) on a loopback port; waits for ``/healthz``.
+- ``connection_env``: the ``AUK_*`` environment that points a worker or the API at a ``RedisServer`` and an
+  ``S3Server``.
 
 Every child runs in its own session, so a Ctrl-C in the terminal reaches only the parent, which then stops the
 children in order (API, workers, storage, Redis) instead of all of them at once.
@@ -232,6 +234,20 @@ class S3Server:
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         response = self.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
         return sorted(item["Key"] for item in response.get("Contents", []))
+
+
+def connection_env(redis_server: RedisServer, s3: S3Server, **settings: str) -> dict[str, str]:
+    """The ``AUK_*`` variables that point a worker or the API at these servers, plus ``settings`` given by their
+    names without the prefix (``connection_env(r, s3, S3_BUCKET="auk", VARIANT="base")``)."""
+    env = {
+        "AUK_REDIS_URL": redis_server.url,
+        "AUK_S3_ENDPOINT": s3.endpoint,
+        "AUK_S3_ACCESS_KEY": s3.access_key,
+        "AUK_S3_SECRET_KEY": s3.secret_key,
+        "AUK_S3_REGION": s3.region,
+    }
+    env.update({f"AUK_{name}": value for name, value in settings.items()})
+    return env
 
 
 class WorkerProcess:

@@ -16,7 +16,7 @@ import redis
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage
-from tests.service.harness import RedisServer, S3Server, WorkerProcess
+from tests.service.harness import RedisServer, S3Server, WorkerProcess, connection_env
 
 BUCKET = "auk-test"
 
@@ -66,21 +66,10 @@ def service_env(
 ) -> dict[str, str]:
     """The ``AUK_*`` environment of one test: its own key prefix, fast retries, a short visibility timeout."""
     prefix = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:60]
-    return {
-        "AUK_REDIS_URL": redis_server.url,
-        "AUK_S3_ENDPOINT": s3_server.endpoint,
-        "AUK_S3_ACCESS_KEY": s3_server.access_key,
-        "AUK_S3_SECRET_KEY": s3_server.secret_key,
-        "AUK_S3_REGION": s3_server.region,
-        "AUK_S3_BUCKET": BUCKET,
-        "AUK_S3_PREFIX": prefix,
-        "AUK_VARIANT": "base",
-        "AUK_PIPELINE": "instant",
-        "AUK_VISIBILITY_TIMEOUT": "3",
-        "AUK_RETRY_BACKOFF": "0.5",
-        "AUK_RETRY_MAX": "6",
-        "AUK_MAX_KILLS": "3",
-    }
+    return connection_env(
+        redis_server, s3_server, S3_BUCKET=BUCKET, S3_PREFIX=prefix, VARIANT="base", PIPELINE="instant",
+        VISIBILITY_TIMEOUT="3", RETRY_BACKOFF="0.5", RETRY_MAX="6", MAX_KILLS="3",
+    )
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from auk_worker.service.local import (
     RedisServer,
     S3Server,
     WorkerProcess,
+    connection_env,
     free_port,
     port_free,
     stop_process,
@@ -22,5 +23,5 @@ from auk_worker.service.local import (
 _wait = wait_until
 _stop = stop_process
 
-__all__ = ["REPO", "VENV_BIN", "ApiProcess", "RedisServer", "S3Server", "WorkerProcess", "free_port", "port_free",
-           "stop_process", "wait_until", "_wait", "_stop"]  # fmt: skip
+__all__ = ["REPO", "VENV_BIN", "ApiProcess", "RedisServer", "S3Server", "WorkerProcess", "connection_env", "free_port",
+           "port_free", "stop_process", "wait_until", "_wait", "_stop"]  # fmt: skip

@@ -24,7 +24,16 @@ import soundfile as sf
 
 from auk_worker.service.jobs import owner_id
 from tests.service.conftest import BUCKET
-from tests.service.harness import REPO, RedisServer, S3Server, WorkerProcess, _stop, _wait, free_port
+from tests.service.harness import (
+    REPO,
+    RedisServer,
+    S3Server,
+    WorkerProcess,
+    _stop,
+    _wait,
+    connection_env,
+    free_port,
+)
 
 KEY_A, KEY_B, KEY_C = "key-alpha-0123456789", "key-bravo-0123456789", "key-charlie-0123456789"
 PREFIX = "test-api"
@@ -64,21 +73,11 @@ def service(
     """One API process and one worker on the tiny checkpoint, shared by this module's tests."""
     logdir = tmp_path_factory.mktemp("api")
     port = free_port()
-    env = {
-        "AUK_REDIS_URL": redis_server.url,
-        "AUK_S3_ENDPOINT": s3_server.endpoint,
-        "AUK_S3_ACCESS_KEY": s3_server.access_key,
-        "AUK_S3_SECRET_KEY": s3_server.secret_key,
-        "AUK_S3_REGION": s3_server.region,
-        "AUK_S3_BUCKET": BUCKET,
-        "AUK_S3_PREFIX": PREFIX,
-        "AUK_VARIANT": "base",
-        "AUK_PIPELINE": "auk",
-        "AUK_CHECKPOINT": str(tiny_checkpoint),
-        "AUK_DEPLOY_CONFIG": str(REPO / "config" / "auk.yaml"),
-        "AUK_VISIBILITY_TIMEOUT": "60",
-        "AUK_RETRY_BACKOFF": "0.5",
-    }
+    env = connection_env(
+        redis_server, s3_server, S3_BUCKET=BUCKET, S3_PREFIX=PREFIX, VARIANT="base", PIPELINE="auk",
+        CHECKPOINT=str(tiny_checkpoint), DEPLOY_CONFIG=str(REPO / "config" / "auk.yaml"), VISIBILITY_TIMEOUT="60",
+        RETRY_BACKOFF="0.5",
+    )
     client = redis_server.client()
     client.flushdb()
     api_env = {**env, "AUK_API_KEYS": f"{KEY_A},{KEY_B},{KEY_C}", "AUK_API_PORT": str(port),
