@@ -434,3 +434,24 @@ def test_precomputed_modulation_rows_give_the_same_velocity(model: AuKDiT) -> No
             torch.testing.assert_close(from_table, per_step, rtol=0, atol=1e-6)
         # The row really drives the blocks: another step's row gives another velocity.
         assert (model(x, grid[2], ctx, modulation=table[1:2]) - per_step).abs().max() > 1e-3
+
+
+def test_the_step_graphs_modulation_table_serves_each_step_its_row_window_by_window(model: AuKDiT) -> None:
+    """``ModulationTable`` as the step graphs use it (fill per window of ``capacity`` steps, ``next`` per step),
+    run on the CPU: every step gets the row of its own time, also past the first window."""
+    from auk_worker.accel import ModulationTable
+
+    grid = torch.linspace(0, 1, 8)  # 7 steps
+    table = ModulationTable(model, capacity=3, cached_grids=1)
+    with torch.no_grad():
+        expected = model.modulation(grid[:-1])  # [7, width]
+        served = []
+        for step in range(7):
+            if step % table.capacity == 0:
+                table.fill(grid[step : min(step + table.capacity, 7)])
+            served.append(table.next())
+        torch.testing.assert_close(torch.cat(served), expected, rtol=0, atol=1e-6)
+        assert len(table.cache) == 1  # the last window's rows stay cached, the older ones were let go
+        cached = table.cache[tuple(grid[6:7].tolist())]
+        table.fill(grid[6:7])
+        assert table.cache[tuple(grid[6:7].tolist())] is cached
