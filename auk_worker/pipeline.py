@@ -28,6 +28,7 @@ from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, InputError, ModelError, OutOfMemory
+from auk_worker.model.alias_free import compile_fused_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
@@ -139,9 +140,9 @@ class AuKPipeline:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             if vae_fast_paths:
                 # Opt-in until measured on a GPU (their numbers are tested on the CPU; their start-up cost is not
-                # known): the decoder compiled with fused anti-aliased activations, and the reference encode
+                # known): each anti-aliased activation compiled into fused kernels, and the reference encode
                 # replayed from graphs per whole-second bucket.
-                vae.compile_decoder()
+                compile_fused_activations(vae)
                 self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
         if device.type == "cuda" and not deploy.encoder.enforce_eager:
@@ -242,9 +243,9 @@ class AuKPipeline:
                     self.encode_graphs.capture_up_to(MAX_TOTAL_FRAMES * HOP)
                 for frames in model_config.auk_vae_compile_shapes:
                     self._decode(torch.zeros(1, frames, latent_dim, device=self.device))
-                if self.vae.compiled_decoder is not None and self.deploy.dit.max_num_seqs > 1:
-                    # Equal-length jobs of a pass decode together: the compiled decoder specialises b = 1, so
-                    # compile the batched case now rather than on a job.
+                if self.encode_graphs is not None and self.deploy.dit.max_num_seqs > 1:
+                    # Equal-length jobs of a pass decode together: the compiled activations specialise b = 1
+                    # (the VAE fast paths), so compile the batched case now rather than on a job.
                     self._decode(torch.zeros(2, min(model_config.auk_vae_compile_shapes), latent_dim, device=self.device))
         self.startup["warm_up"] = time.perf_counter() - started
 

@@ -248,3 +248,20 @@ def test_inductor_decoder_equals_eager(device: str, exact_fp32: None):
     assert relative(first, expected[0]) < 1e-5 and relative(second, expected[1]) < 1e-5
     assert torch.equal(again, first)
 
+
+
+def test_activations_compiled_one_by_one_serve_every_instance_and_length_without_recompiling():
+    """Dynamo's tracing only (backend "eager"): the start-up-friendly alternative to compiling the whole decoder."""
+    from auk_worker.model.alias_free import compile_fused_activations
+
+    torch._dynamo.reset()
+    vae = mini_vae()
+    short, long = latents(9), latents(14, seed=2)
+    expected = vae.decode(short), vae.decode(long)
+    assert compile_fused_activations(vae, backend="eager") == sum(
+        isinstance(m, AliasFreeActivation) for m in vae.modules()
+    )
+    first = vae.decode(short)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        second = vae.decode(long)
+    assert relative(first, expected[0]) < 1e-5 and relative(second, expected[1]) < 1e-5

@@ -189,6 +189,20 @@ def use_fused_activations(model: nn.Module, enabled: bool = True) -> int:
     return count
 
 
+def compile_fused_activations(model: nn.Module, **options: object) -> int:
+    """Switch every ``AliasFreeActivation`` in ``model`` to the polyphase path and compile each one on its own
+    (dynamic shapes, full graph; ``options`` go to ``Module.compile``); returns how many.
+
+    The instances share one code object and hold their parameters as inputs, so tracing costs a few seconds for
+    all of them, where compiling a whole decoder traces its 109 activations one after another (26 s on a 2-core
+    CPU at release size) and only adds the fusion of the residual adds around them."""
+    count = use_fused_activations(model, True)
+    for module in model.modules():
+        if isinstance(module, AliasFreeActivation):
+            module.compile(dynamic=True, fullgraph=True, **options)
+    return count
+
+
 def _weighted_sum(terms: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """sum(tap * x) over (0-d tap, x) pairs, accumulated left to right."""
     total = None
