@@ -29,6 +29,7 @@ from auk_worker.service.storage import manifest_key, result_key
 from tests.service.harness import REPO, _stop, _wait, free_port
 from tests.service.test_worker import (
     OWNER,
+    broker_idle,
     expected_samples,
     make_record,
     read_wav,
@@ -154,6 +155,34 @@ def test_bad_clip_fails_alone_in_its_group(start_worker, store, settings, storag
         assert len(read_wav(storage, done.result["key"])[0]) == expected_samples(seconds)
     assert sorted(wavs(storage, settings)) == sorted(result_key(settings.s3_prefix, r.id) for r in (good_a, good_b))
     assert "retry" not in worker.log_tail(20_000)
+
+
+def test_storage_down_during_a_group_retries_its_jobs_then_all_succeed(
+    start_worker, store, settings, storage, redis_client, s3_server
+) -> None:
+    """The group's uploads (run concurrently) fail while storage is down: every job is retried, none is lost."""
+    worker = start_worker("w-group-s3", AUK_INSTANT_STEP_DELAY="0.05", AUK_VISIBILITY_TIMEOUT="60")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    lengths = [0.3, 0.5, 0.4]
+    group = [create(store, gen_seconds=s, num_inference_steps=20) for s in lengths]
+    send_group(settings, group)
+    wait_for(store, group[0].id, lambda r: (r.progress or {}).get("step", 0) >= 2, 20, "step 2")
+    s3_server.stop()
+    try:
+        for record in group:
+            retried = wait_for(store, record.id, lambda r: r.attempts >= 2, 30, "a retry")
+            assert retried.status in (JobStatus.QUEUED, JobStatus.RUNNING) and retried.error is None
+        time.sleep(1.0)
+    finally:
+        s3_server.start()
+    for record, seconds in zip(group, lengths):
+        done = wait_terminal(store, record.id, timeout=60)
+        assert done.status == JobStatus.SUCCEEDED, done.error
+        assert done.attempts >= 2 and done.kills == 0
+        assert len(read_wav(storage, done.result["key"])[0]) == expected_samples(seconds)
+    assert sorted(wavs(storage, settings)) == sorted(result_key(settings.s3_prefix, r.id) for r in group)
+    assert "retry" in worker.log_tail(20_000)
+    wait_for(store, group[0].id, lambda r: broker_idle(redis_client), 10, "the broker to drain")
 
 
 def test_canceled_job_in_a_running_group_stays_canceled_and_neighbours_succeed(
