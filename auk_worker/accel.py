@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from auk_worker.cuda_graph import capture_graph
 from auk_worker.model.dit import AuKDiT, DiTContext
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.sampling import MAX_STEPS, cfg_combine
@@ -104,19 +105,14 @@ class _StepGraph:
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # [1]: index_select keeps it on the device
         self.scale = torch.zeros((), device=device)
         self.table = table
-        self.graph = torch.cuda.CUDAGraph()
         self._dit = dit
 
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up: compiles, picks kernels, allocates workspaces
-            for _ in range(3):
-                self.step.zero_()
-                self.table.row.zero_()
-                self._body()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        with torch.cuda.graph(self.graph, pool=pool):
+        def warm_up() -> None:  # from step 0 each time; compiles, picks kernels, allocates workspaces
+            self.step.zero_()
+            self.table.row.zero_()
             self._body()
+
+        self.graph, _ = capture_graph(self._body, device, pool, warmups=3, warm_up=warm_up)
 
     def _body(self) -> None:
         t = self.grid.index_select(0, self.step).squeeze(0)  # 0-d, read on the device (no host sync)
@@ -217,15 +213,7 @@ class DecodeGraphs:
 
     def _capture(self, latents: Tensor) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
         static_in = latents.clone()
-        device = latents.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self.vae.decode(static_in)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.vae.decode(static_in)
+        graph, static_out = capture_graph(lambda: self.vae.decode(static_in), latents.device, self.pool)
         return graph, static_in, static_out
 
 
@@ -271,14 +259,7 @@ class EncodeGraphs:
                 with torch.autocast(device_type="cuda", enabled=False):
                     return self.vae.audio_encoder(static_wav[:, None, :].to(self.vae.dtype), static_len)
 
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                run()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                static_stats = run()  # [1, 2d, frames of the bucket]
+            graph, static_stats = capture_graph(run, device, self.pool)  # [1, 2d, frames of the bucket]
             self.graphs[bucket] = (graph, static_wav, static_len, static_stats)
             log.info("vae encode graphs: captured %d samples (%d cached)", bucket, len(self.graphs))
         return self.graphs[bucket]
@@ -319,14 +300,7 @@ class EncoderGraphs:
             trunk = self.encoder.trunk
             weight = trunk.model.embed_tokens.weight
             static_in = torch.zeros(1, size, weight.shape[1], device=weight.device, dtype=weight.dtype)
-            stream = torch.cuda.Stream(weight.device)
-            stream.wait_stream(torch.cuda.current_stream(weight.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.encoder.fuse(static_in)
-            torch.cuda.current_stream(weight.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                static_out = self.encoder.fuse(static_in)
+            fuse = lambda: self.encoder.fuse(static_in)  # noqa: E731
+            graph, static_out = capture_graph(fuse, weight.device, self.pool, warmups=2)
             self.graphs[size] = (graph, static_in, static_out)
         return self.graphs[size]

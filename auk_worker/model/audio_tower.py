@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from auk_worker.cuda_graph import capture_graph
 from auk_worker.errors import AudioError
 from auk_worker.model.encoder import audio_token_count
 
@@ -151,15 +152,9 @@ class _CoreGraph:
         w = 2 * runner.n_window
         self.features = torch.zeros(chunks, runner.num_mel_bins, w, device=device, dtype=runner.dtype)
         self.chunk_frames = torch.full((chunks,), w, dtype=torch.long, device=device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up: picks kernels, allocates workspaces
-            for _ in range(2):
-                runner.core(self.features, self.chunk_frames)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = runner.core(self.features, self.chunk_frames)  # [p, do]
+        self.graph, self.out = capture_graph(  # out [p, do]
+            lambda: runner.core(self.features, self.chunk_frames), device, pool, warmups=2
+        )
 
     def run(self, features: Tensor, chunk_frames: Tensor) -> Tensor:
         self.features.copy_(features)
