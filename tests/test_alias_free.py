@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from auk_worker.model.alias_free import (
+    PHASE_PAD,
+    PHASE_TAPS,
     TAPS,
     AliasFreeActivation,
-    UpSample,
     activation_span,
+    compile_fused_activations,
     use_fused_activations,
 )
 from auk_worker.model.vae import AuKVAE, VAEConfig
@@ -72,11 +74,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_phase_table_splits_the_taps_between_two_phases():
-    up = UpSample()
-    even, odd = up.phase_taps
+    even, odd = PHASE_TAPS
     assert [k for k, _ in even] == [1, 3, 5, 7, 9, 11] and [k for k, _ in odd] == [0, 2, 4, 6, 8, 10]
     assert [o for _, o in even] == [2, 1, 0, -1, -2, -3] and [o for _, o in odd] == [3, 2, 1, 0, -1, -2]
-    assert up.phase_pad == (3, 3)
+    assert PHASE_PAD == (3, 3)
 
 
 @pytest.mark.parametrize("logscale", [True, False])
@@ -250,10 +251,10 @@ def test_inductor_decoder_equals_eager(device: str, exact_fp32: None):
 
 
 
-def test_activations_compiled_one_by_one_serve_every_instance_and_length_without_recompiling():
-    """Dynamo's tracing only (backend "eager"): the start-up-friendly alternative to compiling the whole decoder."""
-    from auk_worker.model.alias_free import compile_fused_activations
-
+def test_compiled_activations_serve_every_width_and_length_with_one_compilation():
+    """Dynamo's tracing only (backend "eager"): the start-up-friendly alternative to compiling the whole decoder.
+    One compilation serves activations of every width (more widths than dynamo's recompile limit of 8) and
+    length; the release decoder has six widths, 768 down to 24."""
     torch._dynamo.reset()
     vae = mini_vae()
     short, long = latents(9), latents(14, seed=2)
@@ -262,6 +263,12 @@ def test_activations_compiled_one_by_one_serve_every_instance_and_length_without
         isinstance(m, AliasFreeActivation) for m in vae.modules()
     )
     first = vae.decode(short)
+    widths = [activation(causal=True, logscale=True, channels=c, seed=c) for c in (2, 3, 5, 7, 11, 13, 17, 19, 23)]
+    inputs = [torch.randn(1, act.act.alpha.numel(), 20 + i) for i, act in enumerate(widths)]
+    eager = [act(x) for act, x in zip(widths, inputs)]
     with torch.compiler.set_stance("fail_on_recompile"):
         second = vae.decode(long)
+        use_fused_activations(torch.nn.ModuleList(widths), True, vae.activation_post.polyphase_fn)  # the same compiled fn
+        compiled = [act(x) for act, x in zip(widths, inputs)]
     assert relative(first, expected[0]) < 1e-5 and relative(second, expected[1]) < 1e-5
+    assert all(relative(c, e) < 1e-6 for c, e in zip(compiled, eager))

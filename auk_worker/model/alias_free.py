@@ -26,7 +26,7 @@ Shapes: ``b`` batch, ``c`` channels, ``t`` samples at the activation's input rat
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,65 @@ def lowpass_taps() -> torch.Tensor:
     return kaiser_sinc_taps(cutoff=0.5 / RATIO, half_width=0.6 / RATIO, kernel_size=TAPS)
 
 
+# The polyphase form of the 2x upsample. Cropped output RATIO*i + p is the transposed conv's full output
+# m = RATIO*i + p + UP_CROP, which tap k reads from padded input q = (m - k) / RATIO, i.e. from input i + offset
+# with offset = (p + UP_CROP - k) / RATIO - UP_PAD.
+UP_PAD = TAPS // RATIO - 1  # the convolution path's replicate padding, 5 input samples each side
+UP_CROP = UP_PAD * RATIO + (TAPS - RATIO) // 2  # 15: what leaves exactly 2t of the transposed conv's output
+PHASE_TAPS = tuple(
+    tuple((k, (p + UP_CROP - k) // RATIO - UP_PAD) for k in range(TAPS) if (p + UP_CROP - k) % RATIO == 0)
+    for p in range(RATIO)
+)  # per phase, (tap, input offset) pairs; offsets -3 ... 3
+PHASE_PAD = (-min(o for phase in PHASE_TAPS for _, o in phase), max(o for phase in PHASE_TAPS for _, o in phase))
+
+
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, logscale: bool) -> torch.Tensor:
+    """x + 1/(beta + eps) * sin^2(alpha * x) with per-channel [c] alpha, beta (logs of them when ``logscale``)."""
+    alpha, beta = alpha[None, :, None], beta[None, :, None]  # [1, c, 1]
+    if logscale:
+        alpha, beta = torch.exp(alpha), torch.exp(beta)
+    return x + (1.0 / (beta + SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
+
+
+def upsample_phases(x: torch.Tensor, taps: torch.Tensor) -> list[torch.Tensor]:  # [b, c, t] -> RATIO x [b, c, t]
+    """``UpSample.forward`` as its RATIO phases: phase p holds output samples RATIO*i + p."""
+    t = x.shape[-1]
+    taps = taps.view(TAPS)
+    left = PHASE_PAD[0]
+    x = F.pad(x, PHASE_PAD, mode="replicate")  # [b, c, t + 6]
+    return [
+        RATIO * _weighted_sum((taps[k], x[..., left + offset : left + offset + t]) for k, offset in phase)
+        for phase in PHASE_TAPS
+    ]
+
+
+def decimate_phases(phases: list[torch.Tensor], taps: torch.Tensor, pad: tuple[int, int]) -> torch.Tensor:
+    """``LowPass.forward`` of the signal whose sample RATIO*i + p is ``phases[p][..., i]``, as strided slices."""
+    t = phases[0].shape[-1]
+    taps = taps.view(TAPS)
+    x = torch.stack(phases, dim=-1).flatten(-2)  # [b, c, t, RATIO] -> [b, c, RATIO*t], interleaved
+    x = F.pad(x, pad, mode="replicate")  # [b, c, RATIO*t + 11]
+    # Output i reads padded samples RATIO*i + k: slice k, step RATIO, holds them for every i.
+    return _weighted_sum((taps[k], x[..., k : k + RATIO * t : RATIO]) for k in range(TAPS))
+
+
+def polyphase_activation(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    up_taps: torch.Tensor,
+    down_taps: torch.Tensor,
+    logscale: bool,
+    down_pad: tuple[int, int],
+) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
+    """``AliasFreeActivation.forward`` without convolutions: interpolate as phases, snake each phase, decimate.
+
+    A function of plain tensors, so that one ``torch.compile`` of it with dynamic shapes serves every channel
+    width (dynamo keeps a module parameter's shape static, which would recompile it per width)."""
+    phases = [snake_beta(phase, alpha, beta, logscale) for phase in upsample_phases(x, up_taps)]
+    return decimate_phases(phases, down_taps, down_pad)
+
+
 class SnakeBeta(nn.Module):
     """y = x + 1/(beta + eps) * sin^2(alpha * x), per channel; alpha and beta are stored as logs when ``logscale``."""
 
@@ -78,11 +137,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.full((channels,), init))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
-        alpha = self.alpha[None, :, None]  # [1, c, 1]
-        beta = self.beta[None, :, None]
-        if self.logscale:
-            alpha, beta = torch.exp(alpha), torch.exp(beta)
-        return x + (1.0 / (beta + SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
+        return snake_beta(x, self.alpha, self.beta, self.logscale)
 
 
 class UpSample(nn.Module):
@@ -90,35 +145,13 @@ class UpSample(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pad = TAPS // RATIO - 1  # 5 input samples each side
-        # The transposed conv grows 2(t + 2*pad) by TAPS - RATIO; cropping this much each side leaves exactly 2t.
-        self.crop = self.pad * RATIO + (TAPS - RATIO) // 2  # 15
         self.register_buffer("filter", lowpass_taps())
-        # Polyphase form: cropped output RATIO*i + p is the full output m = RATIO*i + p + crop, which tap k reads
-        # from padded input q = (m - k) / RATIO, i.e. input i + offset with offset = (p + crop - k) / RATIO - pad.
-        self.phase_taps = tuple(
-            tuple((k, (p + self.crop - k) // RATIO - self.pad) for k in range(TAPS) if (p + self.crop - k) % RATIO == 0)
-            for p in range(RATIO)
-        )  # per phase, (tap, input offset) pairs; offsets -3 ... 3 here
-        offsets = [offset for phase in self.phase_taps for _, offset in phase]
-        self.phase_pad = (-min(offsets), max(offsets))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, 2t]
         channels = x.shape[1]
-        x = F.pad(x, (self.pad, self.pad), mode="replicate")
+        x = F.pad(x, (UP_PAD, UP_PAD), mode="replicate")
         x = RATIO * F.conv_transpose1d(x, self.filter.expand(channels, -1, -1), stride=RATIO, groups=channels)
-        return x[..., self.crop : x.shape[-1] - self.crop]
-
-    def phases(self, x: torch.Tensor) -> list[torch.Tensor]:  # [b, c, t] -> RATIO x [b, c, t]
-        """The same interpolation as ``forward``, as its RATIO phases: phase p holds output samples RATIO*i + p."""
-        t = x.shape[-1]
-        taps = self.filter.view(TAPS)
-        left = self.phase_pad[0]
-        x = F.pad(x, self.phase_pad, mode="replicate")  # [b, c, t + 6]
-        return [
-            RATIO * _weighted_sum((taps[k], x[..., left + offset : left + offset + t]) for k, offset in phase)
-            for phase in self.phase_taps
-        ]
+        return x[..., UP_CROP : x.shape[-1] - UP_CROP]
 
 
 class LowPass(nn.Module):
@@ -134,15 +167,6 @@ class LowPass(nn.Module):
         x = F.pad(x, self.pad, mode="replicate")
         return F.conv1d(x, self.filter.expand(channels, -1, -1), stride=RATIO, groups=channels)
 
-    def from_phases(self, phases: list[torch.Tensor]) -> torch.Tensor:  # RATIO x [b, c, t] -> [b, c, t]
-        """``forward`` of the signal whose sample RATIO*i + p is ``phases[p][..., i]``, as strided slices."""
-        t = phases[0].shape[-1]
-        taps = self.filter.view(TAPS)
-        x = torch.stack(phases, dim=-1).flatten(-2)  # [b, c, t, RATIO] -> [b, c, RATIO*t], interleaved
-        x = F.pad(x, self.pad, mode="replicate")  # [b, c, RATIO*t + 11]
-        # Output i reads padded samples RATIO*i + k: slice k, step RATIO, holds them for every i.
-        return _weighted_sum((taps[k], x[..., k : k + RATIO * t : RATIO]) for k in range(TAPS))
-
 
 class DownSample(nn.Module):
     """Holds the decimating low-pass under ``lowpass`` (the checkpoint's key path)."""
@@ -155,10 +179,15 @@ class DownSample(nn.Module):
         return self.lowpass(x)
 
 
+PolyphaseFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, tuple[int, int]], torch.Tensor
+]
+
+
 class AliasFreeActivation(nn.Module):
     """SnakeBeta evaluated at twice the sample rate between two low-pass filters.
 
-    ``fused`` picks the polyphase formulation (see the module docstring); off by default.
+    ``fused`` picks the polyphase formulation (see the module docstring), run by ``polyphase_fn``; off by default.
     """
 
     def __init__(self, channels: int, logscale: bool, causal: bool) -> None:
@@ -167,6 +196,7 @@ class AliasFreeActivation(nn.Module):
         self.upsample = UpSample()
         self.downsample = DownSample(causal)
         self.fused = False
+        self.polyphase_fn: PolyphaseFn = polyphase_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
         if self.fused:
@@ -174,33 +204,34 @@ class AliasFreeActivation(nn.Module):
         return self.downsample(self.act(self.upsample(x)))
 
     def polyphase(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
-        """``forward`` without convolutions: interpolate as phases, snake each phase, decimate the phases."""
-        phases = [self.act(phase) for phase in self.upsample.phases(x)]
-        return self.downsample.lowpass.from_phases(phases)
+        lowpass = self.downsample.lowpass
+        return self.polyphase_fn(
+            x, self.act.alpha.detach(), self.act.beta.detach(), self.upsample.filter, lowpass.filter,
+            self.act.logscale, lowpass.pad,
+        )  # detached: plain tensors, whose shapes dynamo may treat as dynamic
 
 
-def use_fused_activations(model: nn.Module, enabled: bool = True) -> int:
-    """Switch every ``AliasFreeActivation`` in ``model`` to the polyphase path (or back); returns how many."""
+def use_fused_activations(model: nn.Module, enabled: bool = True, fn: PolyphaseFn = polyphase_activation) -> int:
+    """Switch every ``AliasFreeActivation`` in ``model`` to the polyphase path run by ``fn`` (or back); returns
+    how many."""
     count = 0
     for module in model.modules():
         if isinstance(module, AliasFreeActivation):
             module.fused = enabled
+            module.polyphase_fn = fn
             count += 1
     return count
 
 
 def compile_fused_activations(model: nn.Module, **options: object) -> int:
-    """Switch every ``AliasFreeActivation`` in ``model`` to the polyphase path and compile each one on its own
-    (dynamic shapes, full graph; ``options`` go to ``Module.compile``); returns how many.
+    """Switch every ``AliasFreeActivation`` in ``model`` to the polyphase path, run by one ``torch.compile`` of
+    ``polyphase_activation`` (dynamic shapes, full graph; ``options`` go to ``torch.compile``); returns how many.
 
-    The instances share one code object and hold their parameters as inputs, so tracing costs a few seconds for
-    all of them, where compiling a whole decoder traces its 109 activations one after another (26 s on a 2-core
-    CPU at release size) and only adds the fusion of the residual adds around them."""
-    count = use_fused_activations(model, True)
-    for module in model.modules():
-        if isinstance(module, AliasFreeActivation):
-            module.compile(dynamic=True, fullgraph=True, **options)
-    return count
+    One compilation serves every activation, whatever its width or length (a second one for batch 1 against
+    larger batches, which dynamo specialises). Compiling a whole decoder instead traces its 109 activations one
+    after another (26 s on a 2-core CPU at release size) and only adds the fusion of the residual adds."""
+    compiled = torch.compile(polyphase_activation, dynamic=True, fullgraph=True, **options)
+    return use_fused_activations(model, True, compiled)
 
 
 def _weighted_sum(terms: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
