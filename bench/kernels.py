@@ -3,7 +3,8 @@
     python -m bench.kernels [--text 155] [--frames 150] [--decode-frames 300] [--mel-frames 500]
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
-profiler sees each kernel; the decode and the audio tower run as the pipeline runs them. Prints one table per
+profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the audio
+tower runs as the pipeline runs it. Prints one table per
 stage; used to choose what to optimise next, not to report latency (``bench.pipeline`` does that).
 """
 
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from auk_worker.accel import EncodeGraphs, EncoderGraphs
+from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs
+from auk_worker.model.alias_free import compile_fused_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
@@ -109,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         if "decode" in args.stages:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
-            profile(f"VAE decode, {args.decode_frames} frames", lambda: vae.decode(latents), args.rows)
+            profile(f"VAE decode, {args.decode_frames} frames, convolution activations", lambda: vae.decode(latents), args.rows)
+            compile_fused_activations(vae)
+            profile(f"VAE decode, {args.decode_frames} frames, compiled polyphase activations (the pipeline's)",
+                    lambda: vae.decode(latents), args.rows)
+            decode_graphs = DecodeGraphs(vae, max_graphs=1)
+            replay_s = timed(lambda: decode_graphs.decode(latents), 10)
+            print(f"   replayed from its length's graph: {replay_s * 1e3:.2f} ms", flush=True)
             wav = torch.randn(1, args.mel_frames * 240, device="cuda")  # the reference clip at 24 kHz
             profile(f"VAE encode, {wav.shape[1] / 24000:.1f} s clip", lambda: vae.encode(wav), args.rows)
             graphs = EncodeGraphs(vae, 24_000)

@@ -71,7 +71,7 @@ def random_pipeline(
     precision: Precision = "fast",
     deploy: DeployConfig | None = None,
     compile_blocks: bool = True,
-    vae_fast_paths: bool = False,
+    vae_fast_paths: bool = True,
     seed: int = 0,
 ) -> AuKPipeline:
     """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times)."""

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         base = random_pipeline("base", args.device, args.precision, compile_blocks=not args.no_compile,
-                               vae_fast_paths=args.vae_fast_paths)
+                               vae_fast_paths=not args.plain_vae)
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
         flash = base.sharing_weights(release=flash)
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=None, help="which request kinds (default all)")
     parser.add_argument("--seconds", type=int, nargs="+", default=None, help="target lengths (default 3 6 12)")
     parser.add_argument("--no-compile", action="store_true", help="graphs of eager kernels (no compiled DiT blocks)")
-    parser.add_argument("--vae-fast-paths", action="store_true",
-                        help="compiled polyphase VAE decoder and graphed reference encode (opt-in, unmeasured)")
+    parser.add_argument("--plain-vae", action="store_true",
+                        help="the VAE's convolution activations and eager reference encode (no VAE fast paths)")
     parser.add_argument("--throughput", type=int, default=0, metavar="JOBS",
                         help="measure bulk throughput over JOBS 6 s instruct jobs instead of latency")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="jobs per DiT pass (throughput)")

@@ -23,7 +23,7 @@ INSTRUCT = 'Generate speech based on the following description: "A calm voice." 
 def pipe():
     from bench.models import random_pipeline
 
-    return random_pipeline("base", "cuda", "fast", vae_fast_paths=True)  # the opt-in VAE paths are checked too
+    return random_pipeline("base", "cuda", "fast")
 
 
 def clip(seconds: float, seed: int = 0) -> AudioClip:
