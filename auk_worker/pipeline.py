@@ -28,7 +28,7 @@ from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, InputError, ModelError, OutOfMemory
-from auk_worker.model.alias_free import compile_fused_activations
+from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
@@ -139,10 +139,9 @@ class AuKPipeline:
         if device.type == "cuda" and not deploy.dit.enforce_eager:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             if vae_fast_paths:
-                # Each anti-aliased activation runs one compiled, fused polyphase kernel pair, and the reference
-                # encode replays a graph per whole-second bucket. On the H200 a 6 s decode takes 29.5 ms instead
-                # of 42.9 and a 5 s reference encode 4.2 ms instead of 10 (bench.pipeline; both exact to rounding).
-                compile_fused_activations(vae)
+                # Each anti-aliased activation runs as one fused kernel, and the reference encode replays a graph
+                # per whole-second bucket (both exact to rounding; figures in the README).
+                log.info("vae activations: %s", use_fast_activations(vae, device))
                 self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
         if device.type == "cuda" and not deploy.encoder.enforce_eager:

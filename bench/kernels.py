@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs
-from auk_worker.model.alias_free import compile_fused_activations
+from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
             profile(f"VAE decode, {args.decode_frames} frames, convolution activations", lambda: vae.decode(latents), args.rows)
-            compile_fused_activations(vae)
-            profile(f"VAE decode, {args.decode_frames} frames, compiled polyphase activations (the pipeline's)",
+            path = use_fast_activations(vae, latents.device)
+            profile(f"VAE decode, {args.decode_frames} frames, {path} activations (the pipeline's)",
                     lambda: vae.decode(latents), args.rows)
             decode_graphs = DecodeGraphs(vae, max_graphs=1)
             replay_s = timed(lambda: decode_graphs.decode(latents), 10)

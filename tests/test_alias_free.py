@@ -10,8 +10,12 @@ captures it) or on the CPU with ``AUK_SLOW_TESTS=1``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,3 +276,33 @@ def test_compiled_activations_serve_every_width_and_length_with_one_compilation(
         compiled = [act(x) for act, x in zip(widths, inputs)]
     assert relative(first, expected[0]) < 1e-5 and relative(second, expected[1]) < 1e-5
     assert all(relative(c, e) < 1e-6 for c, e in zip(compiled, eager))
+
+
+def check_fused_kernel() -> None:
+    """The one-kernel activation against the convolution path: edges, short and odd lengths, both decimator
+    alignments, log-scale and plain parameters. Run in a process with TRITON_INTERPRET=1 (see below)."""
+    from auk_worker.model.alias_free_kernel import fused_activation
+
+    for causal in (True, False):
+        for logscale in (True, False):
+            act = activation(causal, logscale, channels=3, seed=4)
+            lowpass = act.downsample.lowpass
+            for t in (1, 2, 3, 7, 13, 300, 257 + 256):
+                x = torch.randn(2, 3, t, generator=torch.Generator().manual_seed(t))
+                reference = act(x)
+                fused = fused_activation(
+                    x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, logscale, lowpass.pad
+                )
+                assert fused.shape == reference.shape
+                assert relative(fused, reference) < 1e-6, (causal, logscale, t, relative(fused, reference))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+def test_fused_kernel_equals_the_convolutions_in_the_triton_interpreter():
+    """``alias_free_kernel`` run by Triton's CPU interpreter, which is chosen when the kernels are defined: so in
+    a process of its own. tests/test_gpu.py runs the compiled kernel on a GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.test_alias_free import check_fused_kernel; check_fused_kernel()"
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -105,20 +105,48 @@ def test_audio_tower_graphs_match_the_transformers_tower(pipe):
 
 
 def test_compiled_decode_matches_the_convolution_path(pipe):
-    """The graph-replayed, compiled polyphase decoder against the plain convolution decoder (both TF32)."""
-    from auk_worker.model.alias_free import use_fused_activations
+    """The graph-replayed decoder with fused activation kernels against the plain convolution decoder (TF32)."""
+    from auk_worker.model.alias_free import AliasFreeActivation
 
+    activations = [m for m in pipe.vae.modules() if isinstance(m, AliasFreeActivation)]
+    assert all(m.fused for m in activations)
     generator = torch.Generator("cuda").manual_seed(1)
     for frames in (150, 320, 700):  # a bucket's graph, a whole bucket, tiles of the largest bucket
         latents = torch.randn(1, frames, 64, device="cuda", generator=generator)
         with torch.inference_mode():
             fast = pipe._decode(latents)
-            use_fused_activations(pipe.vae, False)
+            for m in activations:
+                m.fused = False
             try:
                 reference = pipe.vae.run_decoder(latents)
             finally:
-                use_fused_activations(pipe.vae, True)
-        compare(f"decode, {frames} frames, compiled graphs vs convolutions", fast, reference, 1e-2)
+                for m in activations:
+                    m.fused = True
+        compare(f"decode, {frames} frames, fused graphs vs convolutions", fast, reference, 1e-2)
+
+
+def test_fused_activation_kernel_matches_the_convolutions():
+    """The Triton kernel against the convolution path in fp32, at release widths and lengths and at the edges."""
+    from auk_worker.model.alias_free import AliasFreeActivation
+    from auk_worker.model.alias_free_kernel import fused_activation
+
+    torch.manual_seed(3)
+    cases = [(True, True, 768, 1500), (False, True, 24, 144_007), (True, False, 96, 37), (False, False, 48, 1)]
+    for causal, logscale, channels, length in cases:
+        act = AliasFreeActivation(channels, logscale, causal).cuda().requires_grad_(False)
+        with torch.no_grad():
+            act.act.alpha.normal_(std=0.5)
+            act.act.beta.normal_(std=0.5)
+            if not logscale:
+                act.act.alpha.abs_().add_(0.5)
+                act.act.beta.abs_().add_(0.5)
+        x = torch.randn(2, channels, length, device="cuda")
+        with torch.inference_mode():
+            reference = act(x)
+            lowpass = act.downsample.lowpass
+            fast = fused_activation(x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, logscale,
+                                    lowpass.pad)
+        compare(f"activation kernel, {channels} x {length}, causal {causal}", fast, reference, 1e-5)
 
 
 def test_encode_graphs_match_the_eager_encode(pipe):
