@@ -88,13 +88,13 @@ if triton is not None:
 
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(12):
-            # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p.
-            p: tl.constexpr = (k + LEFT) % 2
-            d: tl.constexpr = (k + 12 - LEFT) // 2 - 6
+            # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p, with phase p = (k + LEFT) % 2
+            # and d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), both fixed at compile time.
             u = tl.zeros((BLOCK,), dtype=tl.float32)
             for r in tl.static_range(6):
-                tap = tl.load(up_ptr + 2 * r + 1 - p).to(tl.float32)
-                u += tap * _clamped(x_row, i + (d + 2 + p - r), last)
+                tap = tl.load(up_ptr + 2 * r + 1 - (k + LEFT) % 2).to(tl.float32)
+                shift = (k + 12 - LEFT) // 2 - 6 + 2 + (k + LEFT) % 2 - r
+                u += tap * _clamped(x_row, i + shift, last)
             s = _snake(2.0 * u, alpha, inv_beta)
             m = 2 * i + (k - LEFT)
             s = tl.where(m < 0, s_first, tl.where(m > 2 * last + 1, s_last, s))
