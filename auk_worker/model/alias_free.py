@@ -15,10 +15,12 @@ Two equal formulations (same taps, same edges; sums rounded in a different order
 - the polyphase path (``use_fused_activations``): the 2x upsample is two phases of 6 taps, output samples 2i and
   2i + 1 each a weighted sum of shifted input samples; snake runs on the phases; the decimator is a weighted sum of
   12 strided slices of the (replicate-padded) interleaved phases. Only slicing, replicate padding, scalar-tap
-  products and elementwise ops: ``torch.compile`` fuses it into two pointwise kernels (snake on both phases,
-  written interleaved; then the decimator). Eager it is ~40 small ops: on a CPU faster than the convolutions
+  products and elementwise ops: ``torch.compile`` fuses it into three pointwise kernels (seen on the H200), which
+  still write and re-read the 2x-rate signal. Eager it is ~40 small ops: on a CPU faster than the convolutions
   for long narrow signals (24 channels x 48k samples: 60 vs 101 ms), slower for short wide ones (384 x 1200:
   9.7 vs 5.1 ms).
+
+On CUDA the pipeline runs the polyphase form as one hand-written kernel per activation (``alias_free_kernel``).
 
 Shapes: ``b`` batch, ``c`` channels, ``t`` samples at the activation's input rate.
 """
