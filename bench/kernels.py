@@ -3,9 +3,9 @@
     python -m bench.kernels [--text 155] [--frames 150] [--decode-frames 300] [--mel-frames 500]
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
-profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the audio
-tower runs as the pipeline runs it. Prints one table per
-stage; used to choose what to optimise next, not to report latency (``bench.pipeline`` does that).
+profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the
+audio tower runs as the pipeline runs it. Prints one table per stage; used to choose what to optimise next, not to
+report latency (``bench.pipeline`` does that).
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         if "decode" in args.stages:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
-            profile(f"VAE decode, {args.decode_frames} frames, convolution activations", lambda: vae.decode(latents), args.rows)
+            profile(f"VAE decode, {args.decode_frames} frames, convolution activations",
+                    lambda: vae.decode(latents), args.rows)
             path = use_fast_activations(vae, latents.device)
             profile(f"VAE decode, {args.decode_frames} frames, {path} activations (the pipeline's)",
                     lambda: vae.decode(latents), args.rows)
