@@ -118,7 +118,7 @@ def test_compiled_decode_matches_the_convolution_path(pipe):
             for m in activations:
                 m.fused = False
             try:
-                reference = pipe.vae.run_decoder(latents)
+                reference = pipe.vae.decode(latents)
             finally:
                 for m in activations:
                     m.fused = True

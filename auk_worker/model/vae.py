@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from auk_worker.errors import AudioError, CheckpointError, ConfigError, InputError
-from auk_worker.model.alias_free import AliasFreeActivation, activation_span, use_fused_activations
+from auk_worker.model.alias_free import AliasFreeActivation, activation_span
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +283,6 @@ class AuKVAE(nn.Module):
         self.activation_post = AliasFreeActivation(width, config.snake_logscale, config.act_causal)
         self.conv_post = PaddedConv1d(width, 1, 7, causal=config.causal, bias=False)
         self.blocks_per_stage = len(config.resblock_kernel_sizes)
-        self.compiled_decoder: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by compile_decoder
 
     @property
     def dtype(self) -> torch.dtype:
@@ -346,40 +344,18 @@ class AuKVAE(nn.Module):
         if latents.dim() != 3 or latents.shape[-1] != self.config.latent_dim:
             raise InputError(f"vae decode expects [b, n, {self.config.latent_dim}] latents, got {tuple(latents.shape)}")
         with torch.autocast(device_type=latents.device.type, enabled=False):
-            if self.compiled_decoder is None:
-                return self.run_decoder(latents)
-            # A window sliced out of a longer clip keeps the clip's batch stride, which the compiled graph guards
-            # on (even for b = 1): a fresh contiguous copy of the small latent tensor spares a recompile.
-            return self.compiled_decoder(latents.clone(memory_format=torch.contiguous_format))
-
-    def run_decoder(self, latents: torch.Tensor) -> torch.Tensor:
-        """The body of ``decode`` without the checks: [b, n, d] -> [b, n * 480], run with autocast off."""
-        z = latents.float() * torch.sqrt(self.global_log_std.float()) + self.global_mean.float()
-        x = self.conv_pre(z.transpose(1, 2).to(self.dtype))  # [b, d, n] -> [b, c, n]
-        for stage, (up,) in enumerate(self.ups):
-            x = up(x)  # [b, c / 2, t * rate]
-            first = stage * self.blocks_per_stage
-            blocks = self.resblocks[first : first + self.blocks_per_stage]
-            total = blocks[0](x)
-            for block in blocks[1:]:
-                total = total + block(x)
-            x = total / self.blocks_per_stage
-        x = self.conv_post(self.activation_post(x))  # [b, 1, n * 480]
-        return torch.clamp(x, -1.0, 1.0).squeeze(1).float()
-
-    def compile_decoder(self, dynamic: bool = True, **options: Any) -> None:
-        """Make ``decode`` (and so ``decode_tiled``) run ``torch.compile`` of ``run_decoder``, fullgraph.
-
-        Switches every alias-free activation to its polyphase form first, which inductor fuses into two
-        pointwise kernels per activation (snake on both phases, then the decimator) around the convolutions,
-        which stay library calls. ``dynamic`` compiles once for every latent length, so a new length costs
-        the caller a CUDA-graph capture, not a recompile. Compilation happens on the first ``decode``, lazily.
-        ``options`` go to ``torch.compile`` (e.g. ``backend``, ``mode``); keep inductor's own CUDA graphs off
-        (no ``mode="reduce-overhead"``) when the caller captures ``decode`` in its own graph.
-        Same numbers as eager to rounding (fp32: ~1e-7 of full scale on the tiny test model).
-        """
-        use_fused_activations(self, True)
-        self.compiled_decoder = torch.compile(self.run_decoder, dynamic=dynamic, fullgraph=True, **options)
+            z = latents.float() * torch.sqrt(self.global_log_std.float()) + self.global_mean.float()
+            x = self.conv_pre(z.transpose(1, 2).to(self.dtype))  # [b, d, n] -> [b, c, n]
+            for stage, (up,) in enumerate(self.ups):
+                x = up(x)  # [b, c / 2, t * rate]
+                first = stage * self.blocks_per_stage
+                blocks = self.resblocks[first : first + self.blocks_per_stage]
+                total = blocks[0](x)
+                for block in blocks[1:]:
+                    total = total + block(x)
+                x = total / self.blocks_per_stage
+            x = self.conv_post(self.activation_post(x))  # [b, 1, n * 480]
+            return torch.clamp(x, -1.0, 1.0).squeeze(1).float()
 
     def decode_tiled(
         self, latents: torch.Tensor, tile_frames: int, left: int = RELEASE_CONTEXT[0], right: int = RELEASE_CONTEXT[1]
