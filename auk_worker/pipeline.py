@@ -243,8 +243,8 @@ class AuKPipeline:
                 for frames in model_config.auk_vae_compile_shapes:
                     self._decode(torch.zeros(1, frames, latent_dim, device=self.device))
                 if self.encode_graphs is not None and self.deploy.dit.max_num_seqs > 1:
-                    # Equal-length jobs of a pass decode together: Triton (and inductor, its fallback) specialise
-                    # the activations for b = 1, so build the batched case now rather than on a job.
+                    # Equal-length jobs of a pass decode together. Where Triton is missing, the activations are
+                    # compiled by inductor, which specialises b = 1: compile the batched case now, not on a job.
                     self._decode(torch.zeros(2, min(model_config.auk_vae_compile_shapes), latent_dim, device=self.device))
         self.startup["warm_up"] = time.perf_counter() - started
 
