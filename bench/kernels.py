@@ -47,40 +47,65 @@ def profile(name: str, fn, rows: int) -> None:
         print(f"   {e.self_device_time_total / 1e3:7.3f} ms {share:6.1%} {e.count:5d} x  {e.key[:90]}", flush=True)
 
 
-def attention_backends(length: int) -> None:
-    """One block's joint attention (CFG rows, 24 heads of 64) per SDPA backend, with and without a key mask."""
+def attention_backends(length: int, padding: int = 5) -> None:
+    """One block's joint attention (CFG rows, 24 heads of 64) per SDPA backend, with and without a key mask, and
+    the padding-free forms a captured graph can use (the visible count read on the device)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (torch.randn(2, 24, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    mask = torch.ones(2, 1, 1, length, dtype=torch.bool, device="cuda")
-    mask[:, ..., -5:] = False
-    print(f"\n== attention [2, 24, {length}, 64] bf16, microseconds per call:", flush=True)
-    for backend in (None, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+    visible = torch.ones(2, length, dtype=torch.bool, device="cuda")
+    visible[:, -padding:] = False
+    mask = visible[:, None, None, :]
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def report(name: str, call, masked: bool = True) -> None:
+        try:
+            elapsed = timed(lambda: [call() for _ in range(20)], 10) / 20
+        except RuntimeError as exc:
+            print(f"   {name:40s} unsupported ({str(exc)[:60]})", flush=True)
+            return
+        line = f"   {name:40s} {elapsed * 1e6:8.1f}"
+        if masked:
+            line += f"   max |diff| vs masked SDPA {float((call().float() - reference.float()).abs().max()):.2e}"
+        print(line, flush=True)
+
+    print(f"\n== attention [2, 24, {length}, 64] bf16, {padding} keys masked, microseconds per call:", flush=True)
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         for masked in (False, True):
             def call():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masked else None)
-            try:
-                if backend is None:
-                    elapsed = timed(lambda: [call() for _ in range(20)], 10) / 20
-                else:
-                    with sdpa_kernel([backend]):
-                        elapsed = timed(lambda: [call() for _ in range(20)], 10) / 20
-                print(f"   {str(backend):32s} mask={masked!s:5s} {elapsed * 1e6:8.1f}", flush=True)
-            except RuntimeError as exc:
-                print(f"   {str(backend):32s} mask={masked!s:5s} unsupported ({str(exc)[:60]})", flush=True)
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if masked else None)
+            report(f"{backend.name} mask={masked}", call, masked)
 
-        keep = mask[:, 0, 0, :]  # [2, length]
-        block_mask = create_block_mask(lambda b, h, qi, ki: keep[b, ki], 2, None, length, length, device="cuda")
-        flex = torch.compile(flex_attention, dynamic=False)
-        elapsed = timed(lambda: [flex(q, k, v, block_mask=block_mask) for _ in range(20)], 10) / 20
-        print(f"   {'flex_attention':32s} mask=True  {elapsed * 1e6:8.1f}", flush=True)
-        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        diff = (flex(q, k, v, block_mask=block_mask).float() - reference.float()).abs().max()
-        print(f"   flex vs masked SDPA max abs difference {float(diff):.2e}", flush=True)
-    except Exception as exc:  # noqa: BLE001 - a measurement, not a dependency
-        print(f"   flex_attention failed: {exc!r:.200}", flush=True)
+    # FlashAttention over [rows * length, h, dh], each row reading only its first `seqused_k` keys (the padding
+    # moved to the end of the row). Inputs are packed beforehand: only the kernel is timed.
+    packed_q, packed_k, packed_v = (t.transpose(1, 2).reshape(-1, 24, 64).contiguous() for t in (q, k, v))
+    starts = torch.arange(0, 3 * length, length, dtype=torch.int32, device="cuda")
+    used = visible.sum(dim=1, dtype=torch.int32)
+
+    def flash(seqused):
+        out = torch.ops.aten._flash_attention_forward(
+            packed_q, packed_k, packed_v, starts, starts, length, length, 0.0, False, False, seqused_k=seqused
+        )[0]
+        return out.view(2, length, 24, 64).transpose(1, 2)
+
+    report("flash varlen, no seqused_k", lambda: flash(None), masked=False)
+    report("flash varlen, seqused_k", lambda: flash(used))
+
+    # Exact masking without a mask: one more head channel, 1 on every query and -30000 on a hidden key (0 on a
+    # visible one), so a hidden key scores -30000 / sqrt(64) and its softmax weight underflows to exactly 0.
+    for width in (72, 80, 128):
+        extra = width - 64
+        q_flag = torch.zeros(2, 24, length, extra, device="cuda", dtype=torch.bfloat16)
+        q_flag[..., 0] = 1.0
+        k_flag = torch.zeros_like(q_flag)
+        k_flag[..., 0] = torch.where(visible, 0.0, -30000.0)[:, None, :]
+        q_wide, k_wide, v_wide = (torch.cat(pair, dim=-1) for pair in ((q, q_flag), (k, k_flag), (v, torch.zeros_like(q_flag))))
+
+        def widened():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q_wide, k_wide, v_wide, scale=0.125)[..., :64]
+        report(f"cuDNN unmasked, key-flag channel, dh {width}", widened)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=150)
     parser.add_argument("--decode-frames", type=int, default=300)
     parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
+    parser.add_argument("--masked", type=int, default=5, help="keys masked in the attention stage")
     parser.add_argument("--pad", type=int, default=0, help="extra masked text and target positions (bucket padding)")
     parser.add_argument("--rows", type=int, default=15, help="kernels listed per stage")
     parser.add_argument("--stages", nargs="+", default=["dit", "decode", "audio", "encode"])
@@ -107,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             profile(f"DiT CFG step, text {args.text}, frames {args.frames}", lambda: velocity(x, t, 3), args.rows)
             del dit, ctx
         if "attention" in args.stages:
-            attention_backends(args.text + args.frames + args.pad)
+            attention_backends(args.text + args.frames + args.pad, args.masked)
         if "decode" in args.stages:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")

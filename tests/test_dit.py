@@ -6,9 +6,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from auk_worker.errors import CheckpointError, InputError
+from auk_worker.model import dit as dit_module
 from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
 
 TINY = DiTConfig(
@@ -286,6 +288,59 @@ def test_padded_batch_matches_each_row_alone(cfg: bool, with_ref: bool, mask_ena
             torch.testing.assert_close(batched[i, : r["n"]], alone[0], rtol=0, atol=1e-5)
             if cfg:
                 torch.testing.assert_close(batched[2 + i, : r["n"]], alone[1], rtol=0, atol=1e-5)
+
+
+def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                               count: torch.Tensor, m: int) -> torch.Tensor:
+    """What the variable-length kernel computes, by its contract: row i's queries over its first count[i] keys."""
+    rows, h, dh = count.numel(), q.shape[1], q.shape[2]
+    assert torch.equal(starts, torch.arange(rows + 1, dtype=torch.int32) * m) and count.dtype == torch.int32
+    q, k, v = (t.view(rows, m, h, dh).transpose(1, 2) for t in (q, k, v))
+    first = (torch.arange(m) < count[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=first).transpose(1, 2).reshape(rows * m, h, dh)
+
+
+@pytest.mark.parametrize("cfg", [False, True])
+@pytest.mark.parametrize("with_ref", [True, False])
+def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_ref: bool, monkeypatch) -> None:
+    """The GPU's form of a masked batch (keys reordered visible first, the kernel reading each row's first
+    ``count``), run here with a reference kernel: the same velocity as the masked attention, padding included."""
+    calls = []
+    monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append(1) or reference_varlen_attention(*a))
+    model = make_model(seed=2)
+    nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
+    text, ref, x = 50 * rand(2, nt, 32, seed=23), 50 * rand(2, np_, 64, seed=24), 50 * rand(2, n, 64, seed=25)
+    lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
+    outputs = {}
+    with torch.no_grad():
+        for varlen in (False, True):
+            model.varlen_attention = varlen
+            ctx = model.prepare(text, lens["nt"], ref if with_ref else None, lens["np"] if with_ref else None,
+                                lens["valid"] if with_ref else None, n, lens["n"], cfg=cfg)
+            assert (ctx.joint.visible_keys is not None) == varlen and (ctx.single.visible_keys is not None) == varlen
+            outputs[varlen] = model(x, torch.tensor([r["t"] for r in ROWS]), ctx)
+    assert len(calls) == TINY.num_layers + TINY.num_single_layers
+    for i, r in enumerate(ROWS):  # the valid frames of each row (padded frames carry garbage either way)
+        torch.testing.assert_close(outputs[True][i :: 2, : r["n"]], outputs[False][i :: 2, : r["n"]],
+                                   rtol=0, atol=1e-5)  # fmt: skip
+
+
+def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:
+    model = copy.deepcopy(model)
+    model.varlen_attention = True
+    with torch.no_grad():
+        ctx = model.prepare(rand(2, 3, 32, seed=26), torch.tensor([3, 2]), rand(2, 4, 64, seed=27),
+                            torch.tensor([4, 2]), torch.tensor([3, 2]), 2, torch.tensor([2, 1]), cfg=False)
+    keys, visible = ctx.single.visible_keys, ctx.single.key_mask[:, 0, 0]  # [text 3 | ref 4 | target 2]
+    assert keys.count.tolist() == [3 + 3 + 2, 2 + 2 + 1]
+    assert keys.order[1].tolist() == [0, 1, 3, 4, 7, 2, 5, 6, 8]  # visible in sequence order, then the hidden
+    for row in range(2):
+        shown = keys.order[row, : keys.count[row]]
+        assert visible[row, shown].all() and not visible[row, keys.order[row, keys.count[row] :]].any()
+    model.varlen_attention = None  # automatic: only where FlashAttention runs, never on the CPU
+    with torch.no_grad():
+        ctx = model.prepare(rand(2, 3, 32, seed=26), torch.tensor([3, 2]), None, None, None, 2, cfg=False)
+    assert ctx.single.key_mask is not None and ctx.single.visible_keys is None
 
 
 def test_prepare_rejects_inconsistent_lengths(model: AuKDiT) -> None:

@@ -112,12 +112,24 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class VisibleKeys:
+    """A key mask in the form a variable-length attention kernel reads instead of the mask: each row's keys
+    reordered visible first, and how many are visible. The kernel attends over the first ``count`` keys of each
+    row, so hidden keys cost nothing, and the counts live on the device, so one captured shape serves them all."""
+
+    order: Tensor  # [bc, m] long: key positions, the visible ones first, each group in sequence order
+    count: Tensor  # [bc] int32
+    starts: Tensor  # [bc + 1] int32: where each row begins in the rows' packed sequence, row * m
+
+
+@dataclass(frozen=True)
 class JointLayout:
     """What the double-stream blocks need besides the streams themselves."""
 
     rope_audio: Rope  # over [ref | target]
     rope_text: Rope
     key_mask: Tensor | None  # [bc, 1, 1, na + nt] True = attend, keys in [audio, text] order; None = all
+    visible_keys: VisibleKeys | None  # the same mask for the variable-length kernel; None = use key_mask
     audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
     text_keep: Tensor | None  # [bc, nt, 1]
 
@@ -128,6 +140,7 @@ class SingleLayout:
 
     rope: Rope
     key_mask: Tensor | None  # [bc, 1, 1, ns]
+    visible_keys: VisibleKeys | None
     keep: Tensor | None  # [bc, ns, 1]
 
 
@@ -316,6 +329,42 @@ class FeedForward(nn.Module):
         return self.linear_out(F.silu(gate) * up)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_keys: VisibleKeys | None) -> Tensor:
+    """Attention of q, k, v [bc, h, m, dh] over the keys ``key_mask`` [bc, 1, 1, m] lets through (None = all);
+    returns [bc, m, h*dh]. With ``visible_keys`` (the same mask, reordered) the variable-length kernel runs
+    instead of a masked one: the same sum over the same keys."""
+    if visible_keys is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
+    bc, h, m, dh = q.shape
+    order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, m, h, dh]
+    k, v = k.gather(1, order), v.gather(1, order)
+    out = varlen_attention(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
+    return out.view(bc, m, h * dh)
+
+
+def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int) -> Tensor:
+    """FlashAttention over rows packed as [rows * m, h, dh]: row i's queries attend to its first ``count[i]``
+    keys. CUDA, fp16 or bf16 only (:func:`varlen_attention_supported`)."""
+    out = torch.ops.aten._flash_attention_forward(q, k, v, starts, starts, m, m, 0.0, False, False, seqused_k=count)
+    return out[0]
+
+
+varlen_attention = flash_varlen_attention  # the kernel `attend` calls; CPU tests swap in a reference
+
+
+def varlen_attention_supported(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
+    """Where the variable-length kernel runs: FlashAttention's GPUs (sm80 and later), half precision, head widths
+    it compiles (multiples of 8 up to 256)."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and dim_head % 8 == 0
+        and dim_head <= 256
+    )
+
+
 class Attention(nn.Module):
     """Self-attention with per-head RMSNorm (torch's default eps) on q and k, then rotary positions."""
 
@@ -332,13 +381,9 @@ class Attention(nn.Module):
         # q, k, v: [bc, m, h*dh] -> [bc, h, m, dh]
         return apply_rope(q_norm(q), rope), apply_rope(k_norm(k), rope), v
 
-    @staticmethod
-    def _merge(out: Tensor) -> Tensor:
-        return out.transpose(1, 2).flatten(2)  # [bc, h, m, dh] -> [bc, m, h*dh]
-
     def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
         q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope)
-        out = self._merge(F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask))
+        out = attend(q, k, v, layout.key_mask, layout.visible_keys)
         return _zero_rows(self.to_out[0](out), layout.keep)
 
 
@@ -356,7 +401,7 @@ class JointAttention(Attention):
         q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope_audio)
         cq, ck, cv = self._project(self.to_qkv_c(c), self.c_q_norm, self.c_k_norm, layout.rope_text)
         joint = (torch.cat(pair, dim=2) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, h, na + nt, dh]
-        out = self._merge(F.scaled_dot_product_attention(*joint, attn_mask=layout.key_mask))  # [bc, na + nt, h*dh]
+        out = attend(*joint, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
         audio_len = x.shape[1]
         x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
         c_out = _zero_rows(self.to_out_c(out[:, audio_len:]), layout.text_keep)
@@ -430,6 +475,19 @@ def _key_mask(visible: Tensor) -> Tensor | None:
     return None if mask is None else mask[:, None, None, :]  # [bc, m] -> [bc, 1, 1, m]
 
 
+def _visible_keys(key_mask: Tensor | None, enabled: bool) -> VisibleKeys | None:
+    """``key_mask`` [bc, 1, 1, m] as :class:`VisibleKeys` when ``enabled`` (None without a mask)."""
+    if key_mask is None or not enabled:
+        return None
+    visible = key_mask[:, 0, 0, :]  # [bc, m]
+    rows, m = visible.shape
+    return VisibleKeys(
+        order=torch.argsort((~visible).to(torch.int8), dim=1, stable=True),
+        count=visible.sum(dim=1, dtype=torch.int32),
+        starts=torch.arange(rows + 1, dtype=torch.int32, device=visible.device) * m,
+    )
+
+
 def _keep(valid: Tensor) -> Tensor | None:
     keep = _all_or_none(valid)
     return None if keep is None else keep[..., None]  # [bc, m] -> [bc, m, 1]
@@ -452,6 +510,8 @@ class AuKDiT(nn.Module):
         )
         self.norm_out = AdaLayerNormFinal(config.dim)
         self.proj_out = nn.Linear(config.dim, config.latent_dim)
+        # Masked attention runs through the variable-length kernel: None = wherever it is supported.
+        self.varlen_attention: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -532,16 +592,23 @@ class AuKDiT(nn.Module):
         single_present = torch.cat((text_valid, audio_present), dim=1)  # [bc, ns]
 
         rope = self.rotary_embed.tables
+        varlen = self.varlen_attention
+        if varlen is None:
+            varlen = varlen_attention_supported(device, dtype, config.dim_head)
+        joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
+        single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
             rope_audio=rope(_positions(audio_present)),
             rope_text=rope(_positions(text_valid)),
-            key_mask=_key_mask(torch.cat((audio_visible, text_valid), dim=1)),
+            key_mask=joint_mask,
+            visible_keys=_visible_keys(joint_mask, varlen),
             audio_keep=_keep(audio_valid),
             text_keep=_keep(text_valid),
         )
         single = SingleLayout(
             rope=rope(_positions(single_present)),
-            key_mask=_key_mask(torch.cat((text_valid, audio_visible), dim=1)),
+            key_mask=single_mask,
+            visible_keys=_visible_keys(single_mask, varlen),
             keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
         )
         return DiTContext(
