@@ -9,7 +9,8 @@ worker (the process managers of ``auk_worker/service/local.py``), posts ONE batc
 - audio seconds rendered per wall second and jobs per second, over the render window (first job started to last
   job finished) and from enqueue (just before the POST to the last job finished);
 - per-job latency medians: enqueue to finished, and started to finished;
-- how many ``render_batch`` calls the worker made and their sizes (from its log).
+- how many ``render_batch`` calls the worker made and their sizes, and the medians of where a group task's time
+  went (from its log: the gap between tasks, prepare, render, store).
 
 Pipelines: ``instant`` (silence, no model: the service's own ceiling), ``tiny`` (the tiny checkpoint, made in a
 temporary directory), ``release`` (``AUK_PIPELINE=random-release``: release-size random weights built by
@@ -176,6 +177,18 @@ def render_calls(worker_log: str) -> list[int]:
     return [int(n) for n in re.findall(r"group of (\d+): rendering", worker_log)]
 
 
+def group_phases(worker_log: str) -> dict[str, float]:
+    """Medians over the worker's group tasks of where their wall time went (ms): Celery between two tasks, then
+    starting the records and fetching inputs, the ``render_batch`` call, the uploads and records."""
+    phases = re.findall(r"group of \d+: prepare ([\d.]+) ms, render ([\d.]+) ms, store ([\d.]+) ms", worker_log)
+    between = [float(ms) for ms in re.findall(r"group of \d+: ([\d.]+) ms since the previous task", worker_log)]
+    medians = {"between_tasks": statistics.median(between)} if between else {}
+    for i, name in enumerate(("prepare", "render", "store")):
+        if phases:
+            medians[name] = statistics.median(float(row[i]) for row in phases)
+    return {name: round(ms, 1) for name, ms in medians.items()}
+
+
 def run(args: argparse.Namespace) -> dict:
     deploy_config = args.deploy_config.resolve()
     deploy = load_deploy_config(deploy_config)
@@ -197,13 +210,15 @@ def run(args: argparse.Namespace) -> dict:
                     log.info("warm-up batch of %d jobs", warmup)
                     wait_batch(http, post_batch(http, warmup, args.seconds, args.steps, "warmup"), args.timeout,
                                service.worker)  # fmt: skip
-                calls_before = len(render_calls(service.worker.log_tail(10_000_000)))
+                log_before = len(service.worker.log_tail(10_000_000))
                 log.info("timed batch of %d jobs of %.1f s", args.jobs, args.seconds)
                 enqueued_at = time.time()
                 batch_id = post_batch(http, args.jobs, args.seconds, args.steps, "job")
                 wait_batch(http, batch_id, args.timeout, service.worker)
             result = measure(store.batch_records(batch_id), enqueued_at)
-            result["render_batch_calls"] = render_calls(service.worker.log_tail(10_000_000))[calls_before:]
+            timed_log = service.worker.log_tail(10_000_000)[log_before:]
+            result["render_batch_calls"] = render_calls(timed_log)
+            result["group_phases_ms"] = group_phases(timed_log)
         finally:
             service.stop()
     return {
@@ -249,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['setup']['max_num_seqs']}): {result['audio_s_per_s']:.2f} audio s / s, "
         f"{result['jobs_per_s']:.2f} jobs/s over the render window; {result['audio_s_per_s_from_enqueue']:.2f} "
         f"audio s / s from enqueue; median latency {result['latency_s']['enqueue_to_finished_median']:.2f} s; "
-        f"render_batch calls {result['render_batch_calls']}; written to {path}"
+        f"render_batch calls {result['render_batch_calls']}; median group phases (ms) {result['group_phases_ms']}; "
+        f"written to {path}"
     )
     return 0
 

@@ -340,7 +340,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_key
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, m, h, dh]
     k, v = k.gather(1, order), v.gather(1, order)
     out = varlen_attention(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
-    return out.view(bc, m, h * dh)
+    return out.reshape(bc, m, h * dh)
 
 
 def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int) -> Tensor:

@@ -78,6 +78,7 @@ class RenderRuntime:
     storage: Storage
     heartbeat: Heartbeat | None = None
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")  # "host:pid" on the record
+    last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
 
 
 # ---------------------------------------------------------------------------------------------------- the job
@@ -196,6 +197,8 @@ def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
     Returns the jobs an infrastructure error stopped (id -> error), for the boundary to retry; every other job
     is terminal (or was skipped) when this returns.
     """
+    started = time.perf_counter()
+    phases = {"prepare": 0.0, "render": 0.0, "store": 0.0}  # seconds, logged as one line per group
     retry: dict[str, Exception] = {}
     members: list[_Member] = []
     for job_id in job_ids:
@@ -211,24 +214,30 @@ def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
     # A job that was running when a worker died may be what killed it: it renders alone, after the others.
     together = [m for m in members if m.record.kills == 0]
     alone = [[m] for m in members if m.record.kills > 0]
+    phases["prepare"] = time.perf_counter() - started
     for pass_members in ([together] if together else []) + alone:
-        retry.update(_render_members(rt, pass_members))
+        retry.update(_render_members(rt, pass_members, phases))
+    log.info("group of %d: %s", len(job_ids), ", ".join(f"{name} {s * 1000:.1f} ms" for name, s in phases.items()))
     return retry
 
 
-def _render_members(rt: RenderRuntime, members: list[_Member]) -> dict[str, Exception]:
-    """One ``render_batch`` call over started jobs, then an upload and a record per job."""
+def _render_members(rt: RenderRuntime, members: list[_Member], phases: dict[str, float]) -> dict[str, Exception]:
+    """One ``render_batch`` call over started jobs, then an upload and a record per job (their wall times added
+    to ``phases``)."""
     ids = [m.job_id for m in members]
     log.info("group of %d: rendering %s", len(members), ", ".join(ids))
     canceled: set[str] = set()
     progress = _Progress(rt, ids, on_cancel=canceled.add)
     retry: dict[str, Exception] = {}
+    started = time.perf_counter()
     try:
         results: list[RenderResult | Exception] = rt.pipeline.render_batch(
             [m.render_request for m in members], on_step=progress
         )
     except Exception as exc:  # noqa: BLE001 - the whole call failed (every job canceled, or no pass ran)
         results = [exc] * len(members)
+    rendered = time.perf_counter()
+    phases["render"] += rendered - started
 
     def conclude(member: _Member, result: RenderResult | Exception) -> Exception | None:
         job_id = member.job_id
@@ -248,6 +257,7 @@ def _render_members(rt: RenderRuntime, members: list[_Member]) -> dict[str, Exce
     # clients are thread-safe), so a group of 8 waits about one upload, not eight.
     with ThreadPoolExecutor(max_workers=min(len(members), MAX_UPLOADS_IN_FLIGHT)) as pool:
         failures = list(pool.map(conclude, members, results))
+    phases["store"] += time.perf_counter() - rendered
     for member, exc in zip(members, failures):
         if exc is not None:
             _settle_into(rt, member.job_id, exc, retry)
@@ -414,6 +424,9 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     @app.task(name=RENDER_GROUP_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
     def render_group_task(self: Task, job_ids: list[str]) -> None:
         started = time.perf_counter()
+        if runtime.last_task_end is not None:  # Celery's share: ack, fetch and hand over the next message
+            log.info("group of %d: %.1f ms since the previous task returned", len(job_ids),
+                     (started - runtime.last_task_end) * 1000)  # fmt: skip
         _busy(runtime, ",".join(job_ids))
         try:
             retry = render_group(runtime, job_ids)
@@ -422,8 +435,11 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
         finally:
             _ready(runtime)
         log.debug("group of %d: task took %.1f ms", len(job_ids), (time.perf_counter() - started) * 1000)
-        if retry:  # only the jobs an infrastructure error stopped, as a smaller group; finished ones stay done
-            _retry_or_fail(self, runtime, retry, lambda ids: [ids])
+        try:
+            if retry:  # only the jobs an infrastructure error stopped, as a smaller group; finished ones stay done
+                _retry_or_fail(self, runtime, retry, lambda ids: [ids])
+        finally:
+            runtime.last_task_end = time.perf_counter()
 
     return render, render_group_task
 
