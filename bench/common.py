@@ -11,6 +11,12 @@ import subprocess
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The bulk benchmarks' job: a 6 s instruct-TTS line (bench.throughput through the service, bench.pipeline
+# --throughput on the pipeline alone), the same prompt so the two compare.
+BULK_INSTRUCTION = (
+    'Generate speech based on the following description: "A calm, clear adult voice, close to the microphone." '
+    'The content to speak is: "Tonight the whole archive is read aloud, one line after another, until morning."'
+)
 
 
 def environment() -> dict:

@@ -39,17 +39,13 @@ import httpx
 
 from auk_worker.deploy import load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from bench.common import write_result
+from bench.common import BULK_INSTRUCTION, write_result
 
 from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 
 log = logging.getLogger("bench.throughput")
 
 API_KEY = "bench-throughput-key-0123456789"
-INSTRUCTION = (
-    'Generate speech based on the following description: "A calm, clear adult voice, close to the microphone." '
-    'The content to speak is: "Tonight the whole archive is read aloud, one line after another, until morning."'
-)
 TARGET_AUDIO_S_PER_S = 40.0
 PIPELINE_ENV = {"instant": "instant", "tiny": "auk", "release": "random-release"}
 
@@ -122,7 +118,7 @@ def _start_api(env: dict[str, str], log_path: Path, url: str, timeout: float = 6
 
 
 def post_batch(http: httpx.Client, jobs: int, seconds: float, steps: int | None, tag: str) -> str:
-    line = {"instruction": INSTRUCTION, "gen_seconds": seconds, "seed": 0}
+    line = {"instruction": BULK_INSTRUCTION, "gen_seconds": seconds, "seed": 0}
     if steps is not None:
         line["num_inference_steps"] = steps
     body = "\n".join(json.dumps({**line, "seed": i, "custom_id": f"{tag}-{i}"}) for i in range(jobs))
@@ -156,8 +152,12 @@ def measure(records: list[JobRecord], enqueued_at: float) -> dict:
     audio_s = sum(r.result["duration_s"] for r in records)
     window = max(finished) - min(started)
     from_enqueue = max(finished) - enqueued_at
+    stages = sorted({name for r in records for name in r.result.get("timings", {})})
+    stage_ms = {name: round(1000 * statistics.median(r.result["timings"].get(name, 0.0) for r in records), 1)
+                for name in stages}  # fmt: skip
     return {
         "jobs": len(records),
+        "stage_ms_per_job_median": stage_ms,  # the pipeline's own clock (the DiT pass split over its rows)
         "audio_seconds": round(audio_s, 3),
         "render_window_s": round(window, 3),
         "from_enqueue_s": round(from_enqueue, 3),

@@ -107,8 +107,8 @@ class Rope:
     """Rotary tables for one sequence: integer positions and fp32 cos/sin, pairs interleaved."""
 
     positions: Tensor  # [bc, m] long
-    cos: Tensor  # [bc, 1, m, dh] fp32
-    sin: Tensor  # [bc, 1, m, dh] fp32
+    cos: Tensor  # [bc, m, 1, dh] fp32
+    sin: Tensor  # [bc, m, 1, dh] fp32
 
 
 @dataclass(frozen=True)
@@ -273,14 +273,14 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: Tensor) -> Rope:
         angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(torch.float32)  # [bc, m, dh/2]
-        angles = angles.repeat_interleave(2, dim=-1)[:, None]  # [bc, 1, m, dh], pairs share a frequency
+        angles = angles.repeat_interleave(2, dim=-1)[:, :, None]  # [bc, m, 1, dh], pairs share a frequency
         return Rope(positions=positions, cos=angles.cos(), sin=angles.sin())
 
 
 def apply_rope(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs (a, b) of ``x`` [bc, h, m, dh] in fp32; returns x's dtype."""
+    """Rotate interleaved pairs (a, b) of ``x`` [bc, m, h, dh] in fp32; returns x's dtype."""
     x32 = x.float()
-    pairs = x32.unflatten(-1, (-1, 2))  # [bc, h, m, dh/2, 2]
+    pairs = x32.unflatten(-1, (-1, 2))  # [bc, m, h, dh/2, 2]
     rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (a, b) -> (-b, a)
     return (x32 * rope.cos + rotated * rope.sin).to(x.dtype)
 
@@ -330,14 +330,15 @@ class FeedForward(nn.Module):
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_keys: VisibleKeys | None) -> Tensor:
-    """Attention of q, k, v [bc, h, m, dh] over the keys ``key_mask`` [bc, 1, 1, m] lets through (None = all);
+    """Attention of q, k, v [bc, m, h, dh] over the keys ``key_mask`` [bc, 1, 1, m] lets through (None = all);
     returns [bc, m, h*dh]. With ``visible_keys`` (the same mask, reordered) the variable-length kernel runs
-    instead of a masked one: the same sum over the same keys."""
+    instead of a masked one: the same sum over the same keys, on the [bc * m, h, dh] layout the projections
+    already have (no transposes)."""
     if visible_keys is None:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, h, m, dh] views
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
-    bc, h, m, dh = q.shape
+    bc, m, h, dh = q.shape
     order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, m, h, dh]
     k, v = k.gather(1, order), v.gather(1, order)
     out = varlen_attention(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
     return out.reshape(bc, m, h * dh)
@@ -377,8 +378,8 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(heads * dim_head, dim)])  # named `to_out.0` in the release
 
     def _project(self, qkv: Tensor, q_norm: nn.Module, k_norm: nn.Module, rope: Rope) -> tuple[Tensor, ...]:
-        q, k, v = (part.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for part in qkv.chunk(3, dim=-1))
-        # q, k, v: [bc, m, h*dh] -> [bc, h, m, dh]
+        q, k, v = (part.unflatten(-1, (self.heads, self.dim_head)) for part in qkv.chunk(3, dim=-1))
+        # q, k, v: [bc, m, h*dh] -> [bc, m, h, dh]
         return apply_rope(q_norm(q), rope), apply_rope(k_norm(k), rope), v
 
     def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
@@ -400,7 +401,7 @@ class JointAttention(Attention):
     def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope_audio)
         cq, ck, cv = self._project(self.to_qkv_c(c), self.c_q_norm, self.c_k_norm, layout.rope_text)
-        joint = (torch.cat(pair, dim=2) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, h, na + nt, dh]
+        joint = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
         out = attend(*joint, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
         audio_len = x.shape[1]
         x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
