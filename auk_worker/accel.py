@@ -133,12 +133,22 @@ class _StepGraph:
         self.grid[: total + 1].copy_(grid)
         self.step.zero_()
         self.scale.fill_(scale)
+        # A replay returns at once; without pacing the loop would queue every step in a few milliseconds and
+        # report progress (and check for a cancel) long before the GPU got there. With a callback, step k is
+        # reported once it has finished, while step k + 1 is already queued, so the GPU never waits on the host.
+        finished = [torch.cuda.Event() for _ in range(total)] if on_step is not None else []
         for i in range(total):
             if i % self.table.capacity == 0:
                 self.table.fill(grid[i : min(i + self.table.capacity, total)])
             self.graph.replay()
             if on_step is not None:
-                on_step(i + 1, total)
+                finished[i].record()
+                if i > 0:
+                    finished[i - 1].synchronize()
+                    on_step(i, total)
+        if on_step is not None:
+            finished[-1].synchronize()
+            on_step(total, total)
         return self.x.clone()
 
 

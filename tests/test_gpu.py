@@ -5,6 +5,8 @@ Skipped where there is no CUDA. The tolerances are the measured differences with
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +69,29 @@ def test_graph_path_matches_eager(pipe):
         assert diff < 0.05
         again = pipe.render(request).waveform
         assert np.array_equal(graphs, again), "graph replays must be deterministic"
+
+
+def test_progress_reports_steps_as_the_gpu_finishes_them(pipe):
+    """The step callback (the job's progress and its cancel check) runs as steps finish, not as graph replays are
+    queued: its calls spread over the DiT's time, and a cancel stops the render within a step or two."""
+    calls = []
+    request = RenderRequest(INSTRUCT, gen_seconds=6.0, seed=5)
+    result = pipe.render(request, on_step=lambda step, total: calls.append((step, time.perf_counter())))
+    assert [step for step, _ in calls] == list(range(1, 33))
+    spread = calls[-1][1] - calls[0][1]
+    print(f"progress calls spread over {spread * 1e3:.1f} ms of a {result.timings['dit'] * 1e3:.1f} ms DiT pass")
+    assert spread > 0.8 * result.timings["dit"] * 31 / 32
+
+    class Stop(Exception):
+        pass
+
+    def cancel_at_4(step: int, total: int) -> None:
+        if step == 4:
+            raise Stop
+    started = time.perf_counter()
+    with pytest.raises(Stop):
+        pipe.render(request, on_step=cancel_at_4)
+    assert time.perf_counter() - started < 0.5 * result.timings["total"]
 
 
 def test_batched_matches_alone(pipe):
