@@ -13,6 +13,10 @@ velocity for the noisy target. No state is cached on the module.
 Precision: works with fp32 weights (exact) or bf16 weights without autocast. The time sinusoid, rotary positions,
 ``inv_freq`` and the rotary products stay fp32; values are cast to the weight dtype where they enter a Linear.
 
+Attention: where a context hides keys (batch or bucket padding, a masked reference frame), a GPU in half
+precision runs FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built
+once in ``prepare``); elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
+
 Shapes:
     b    requests (rows of the ODE state)
     bc   rows of a context: b, or 2b with CFG (cond rows 0..b-1, then uncond rows)
