@@ -1,6 +1,6 @@
 """Where the GPU time of each stage goes: the top kernels of one DiT step, one VAE decode and one audio-tower pass.
 
-    python -m bench.kernels [--text 155] [--frames 150] [--decode-frames 300] [--mel-frames 500]
+    python -m bench.kernels [--text 155] [--frames 150] [--batch 1] [--decode-frames 300] [--mel-frames 500]
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
 profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels")
     parser.add_argument("--text", type=int, default=155)
     parser.add_argument("--frames", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=1, help="jobs in the DiT step (a bulk pass: 8)")
     parser.add_argument("--decode-frames", type=int, default=300)
     parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
     parser.add_argument("--masked", type=int, default=5, help="keys masked in the attention stage")
@@ -127,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             dit.eval().requires_grad_(False)
             for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
                 block.compile(fullgraph=True, dynamic=True)
-            ctx, x = make_ctx(dit, 1, args.text, 0, args.frames, args.pad)
+            ctx, x = make_ctx(dit, args.batch, args.text, 0, args.frames, args.pad)
             velocity = guided_velocity(dit, ctx, 2.0)
             t = torch.tensor(0.5, device="cuda")
-            profile(f"DiT CFG step, text {args.text}, frames {args.frames}", lambda: velocity(x, t, 3), args.rows)
+            profile(f"DiT CFG step, {args.batch} job(s), text {args.text}, frames {args.frames}",
+                    lambda: velocity(x, t, 3), args.rows)
             del dit, ctx
         if "attention" in args.stages:
             attention_backends(args.text + args.frames + args.pad, args.masked)

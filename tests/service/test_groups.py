@@ -26,6 +26,7 @@ from auk_worker.service.grouping import RENDER_GROUP_TASK, plan_groups
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import manifest_key, result_key
+from bench.throughput import group_phases
 from tests.service.harness import REPO, _stop, _wait, free_port
 from tests.service.test_worker import (
     OWNER,
@@ -259,7 +260,10 @@ def test_api_sends_a_batch_as_groups_of_max_num_seqs(
             assert record.attempts == 1
             samples = read_wav(storage, record.result["key"])[0]
             assert len(samples) == expected_samples(record.request["gen_seconds"])
-        assert worker.log_tail(200_000).count("group of 4: rendering") == 2
+        log = worker.log_tail(200_000)
+        assert log.count("group of 4: rendering") == 2
+        phases = group_phases(log)  # each group task's timing line, as bench.throughput reads it
+        assert set(phases) == {"between_tasks", "prepare", "render", "store"} and phases["render"] > 0
         assert redis_client.llen(BULK) == 0
     finally:
         _stop(api)
