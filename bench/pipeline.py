@@ -84,6 +84,7 @@ def measure(pipe, request: RenderRequest, runs: int, warmup: int) -> dict:
         "wall_s": median(walls),
         "wall_runs_s": walls,
         "stages_ms": {k: 1000 * median([s[k] for s in stages]) for k in stages[0]},
+        "stages_runs_ms": [{k: round(1000 * v, 2) for k, v in s.items()} for s in stages],  # which stage a slow run lost
         "samples": len(result.waveform),
     }
 

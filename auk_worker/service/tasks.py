@@ -420,6 +420,7 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
         finally:
             _ready(runtime)
             log.debug("job %s: task took %.1f ms", job_id, (time.perf_counter() - started) * 1000)
+            runtime.last_task_end = time.perf_counter()
 
     @app.task(name=RENDER_GROUP_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
     def render_group_task(self: Task, job_ids: list[str]) -> None:
