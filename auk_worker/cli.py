@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--cfg", type=float, help="guidance scale (base; Flash uses none)")
     render.add_argument("--sway", type=float, help="sway of the time grid, in [-1, 0]")
     render.add_argument("--vae-sample", action="store_true", help="sample the clip's VAE posterior instead of its mean")
-    render.add_argument("--precision", choices=("exact", "fast"), help="fp32 everywhere, or bf16 DiT and thinker")
+    render.add_argument("--precision", choices=("exact", "fast", "fp8"),
+                        help="fp32 everywhere; bf16 DiT and thinker; or bf16 with the DiT's block linears in FP8")
     render.add_argument("--device", help="torch device (default: from the deploy config, CPU without CUDA)")
     render.add_argument("--qwen-path", type=Path, help="Qwen2.5-Omni-3B snapshot, if not where config.yaml says")
     render.add_argument("--deploy-config", type=Path, help="deploy config (default: config/auk.yaml)")

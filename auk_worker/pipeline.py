@@ -5,8 +5,9 @@
     noise [1, n, 64] ── stage 1: Euler over the DiT (CFG for base) ──▶ latents ── VAE decode ──▶ waveform [n * 480]
 
 Precision: ``exact`` keeps every weight in fp32 (the released export) and runs fp32 math; ``fast`` holds the DiT and
-the thinker in bf16 while the VAE, the noise and the ODE state stay fp32. The deploy config's ``dtype: auto`` picks
-``fast`` on CUDA and ``exact`` on the CPU.
+the thinker in bf16 while the VAE, the noise and the ODE state stay fp32. ``fp8`` (opt-in) is ``fast`` with the DiT's
+block linears in E4M3 (``model/fp8.py``). The deploy config's ``dtype: auto`` picks ``fast`` on CUDA and ``exact``
+on the CPU; ``float8`` picks ``fp8``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, StepGrap
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
-from auk_worker.errors import AuKError, InputError, ModelError, OutOfMemory
+from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, OutOfMemory
 from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
+from auk_worker.model.fp8 import fp8_supported, use_fp8_block_linears
 from auk_worker.model.sampling import (
     FLASH_T_GRID,
     euler_sample,
@@ -57,7 +59,7 @@ from auk_worker.types import (
 
 log = logging.getLogger(__name__)
 
-Precision = Literal["exact", "fast"]
+Precision = Literal["exact", "fast", "fp8"]
 StepCallback = Callable[[int, int], None]
 
 # Graph path buckets: padded (and masked) sizes, so that a handful of graph shapes serve every request.
@@ -103,6 +105,8 @@ def resolve_precision(setting: str, device: torch.device) -> Precision:
         return "exact"
     if setting == "bfloat16":
         return "fast"
+    if setting == "float8":
+        return "fp8"
     return "fast" if device.type == "cuda" else "exact"
 
 
@@ -179,7 +183,10 @@ class AuKPipeline:
         release = read_release(checkpoint, qwen_path=qwen_path)
         device = torch.device(device) if device is not None else resolve_device(deploy.dit.devices)
         precision = precision or resolve_precision(deploy.dit.dtype, device)
-        model_dtype = torch.bfloat16 if precision == "fast" else torch.float32
+        model_dtype = torch.float32 if precision == "exact" else torch.bfloat16
+        if precision == "fp8" and not fp8_supported(device):
+            raise ConfigError(f"fp8 precision needs a GPU of compute capability 8.9 or later (Ada, Hopper); {device} "
+                              f"is {torch.cuda.get_device_name(device)}")  # fmt: skip
         if device.type == "cuda":
             _apply_memory_fraction(deploy, device)
         if precision == "exact":
@@ -196,6 +203,8 @@ class AuKPipeline:
         load_strict(dit, dit_state, str(release.weights_path), prefix="transformer.")
         dit.eval().requires_grad_(False)
         del dit_state
+        if precision == "fp8":
+            log.info("dit: %d block linears in fp8", use_fp8_block_linears(dit))
 
         vae = load_vae(read_safetensors(release.vae_path, device), release.vae, device)
         vae.eval().requires_grad_(False)

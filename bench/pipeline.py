@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint instead of release-size weights")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--precision", choices=("exact", "fast"), default="fast")
+    parser.add_argument("--precision", choices=("exact", "fast", "fp8"), default="fast")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per case (default 10, tiny 2)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="base Euler steps (default: the deploy config's)")
