@@ -185,8 +185,8 @@ class AuKPipeline:
         precision = precision or resolve_precision(deploy.dit.dtype, device)
         model_dtype = torch.float32 if precision == "exact" else torch.bfloat16
         if precision == "fp8" and not fp8_supported(device):
-            raise ConfigError(f"fp8 precision needs a GPU of compute capability 8.9 or later (Ada, Hopper); {device} "
-                              f"is {torch.cuda.get_device_name(device)}")  # fmt: skip
+            what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            raise ConfigError(f"fp8 precision needs a GPU of compute capability 8.9 or later (Ada, Hopper), not {what}")
         if device.type == "cuda":
             _apply_memory_fraction(deploy, device)
         if precision == "exact":
