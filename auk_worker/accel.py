@@ -146,7 +146,7 @@ class _StepGraph:
                 if i > 0:
                     finished[i - 1].synchronize()
                     on_step(i, total)
-        if on_step is not None:
+        if finished:
             finished[-1].synchronize()
             on_step(total, total)
         return self.x.clone()
