@@ -24,8 +24,8 @@ import torch
 
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample
 from auk_worker.model.dit import varlen_attention_supported
-from bench.common import BULK_INSTRUCTION, environment, median, write_result
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
+from bench.common import BULK_INSTRUCTION, environment, median, write_result
 
 PEAK_FLOPS = 790e12
 # The random-weight pipelines tokenize with the tiny byte-level tokenizer, which gives about 1.5x the tokens Qwen's
@@ -109,6 +109,7 @@ def throughput(pipe, jobs: int, seconds: float, batch: int, budget: int) -> dict
         calls.append(time.perf_counter() - call_started)
     wall = time.perf_counter() - started
     done = [r for r in results if not isinstance(r, Exception)]
+    stage_ms = {k: 1000 * median([r.timings[k] for r in done]) for k in done[0].timings} if done else {}
     return {
         "jobs": jobs,
         "seconds_per_job": seconds,
@@ -118,7 +119,7 @@ def throughput(pipe, jobs: int, seconds: float, batch: int, budget: int) -> dict
         "jobs_per_s": jobs / wall,
         "audio_s_per_s": jobs * seconds / wall,
         "render_batch_call_ms_median": 1000 * median(calls),
-        "stage_ms_per_job_median": {k: 1000 * median([r.timings[k] for r in done]) for k in done[0].timings},
+        "stage_ms_per_job_median": stage_ms,
         "failures": jobs - len(done),
     }
 
