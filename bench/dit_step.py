@@ -1,6 +1,6 @@
 """One guided DiT step at release size, in its variants: eager or graph, padded (masked) or exact, compiled or not.
 
-    python -m bench.dit_step [--profile]
+    python -m bench.dit_step [--compile] [--profile] [--rows 8] [--fp8]
 
 Reports milliseconds per CFG step (median of 20 replays) and the DiT compute utilisation; ``--profile`` prints the
 top GPU kernels of one eager step. Used to choose the fast path; the pipeline benchmark measures the whole render.
@@ -9,6 +9,7 @@ top GPU kernels of one eager step. Used to choose the fast path; the pipeline be
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 
 from auk_worker.accel import StepGraphs
 from auk_worker.model.dit import AuKDiT, DiTConfig
+from auk_worker.model.fp8 import use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity, time_grid
 from bench.models import RELEASE_ARCH
 from bench.pipeline import PEAK_FLOPS, block_linear_params
@@ -58,24 +60,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--dynamic", choices=("yes", "no", "both"), default="both")
+    parser.add_argument("--rows", type=int, default=1, help="jobs in the step (a bulk pass: 8)")
+    parser.add_argument("--fp8", action="store_true", help="also time the padded step with FP8 block linears")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     with torch.device("cuda"):
         dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16).eval().requires_grad_(False)
     positions = args.text + args.ref + args.frames
     blocks = 30
-    flops = 2 * (positions * 2 * block_linear_params(dit) + 4 * positions**2 * 1536 * blocks)
+    flops = 2 * args.rows * (positions * 2 * block_linear_params(dit) + 4 * positions**2 * 1536 * blocks)
     grid = time_grid(32, -1.0).cuda()
-    # (name, padding, variable-length attention): without padding nothing is masked; padded, the masked keys go
-    # through FlashAttention's variable-length kernel or through masked SDPA
-    variants = [("exact", 0, None), ("padded", 7, True), ("padded, masked SDPA", 7, False)]
+    # (name, model, padding, variable-length attention): without padding nothing is masked; padded, the masked
+    # keys go through FlashAttention's variable-length kernel or through masked SDPA
+    variants = [("exact", dit, 0, None), ("padded", dit, 7, True), ("padded, masked SDPA", dit, 7, False)]
+    if args.fp8:
+        fp8_dit = copy.deepcopy(dit)
+        use_fp8_block_linears(fp8_dit)
+        variants.append(("padded, fp8", fp8_dit, 7, True))
     with torch.inference_mode():
-        for name, pad, varlen in variants:
-            dit.varlen_attention = varlen
-            ctx, x = make_ctx(dit, 1, args.text, args.ref, args.frames, pad)
-            velocity = guided_velocity(dit, ctx, 2.0)
+        for name, model, pad, varlen in variants:
+            model.varlen_attention = varlen
+            ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
+            velocity = guided_velocity(model, ctx, 2.0)
             eager_s = timed(lambda: velocity(x, grid[3], 3))
-            graphs = StepGraphs(dit, 4, compile_blocks=False)
+            graphs = StepGraphs(model, 4, compile_blocks=False)
             graphs.sample(ctx, x, grid, 2.0)
             graph_s = timed(lambda: graphs.sample(ctx, x, grid, 2.0), 5) / 32
             print(f"{name:20s} eager {eager_s * 1e3:7.2f} ms/step  graph {graph_s * 1e3:7.2f} ms/step  "
@@ -88,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         dynamics = {"yes": [True], "no": [False], "both": [False, True]}[args.dynamic] if args.compile else []
         for dynamic in dynamics:
             torch._dynamo.reset()
-            for name, pad, varlen in variants:
-                dit.varlen_attention = varlen
-                ctx, x = make_ctx(dit, 1, args.text, args.ref, args.frames, pad)
-                graphs = StepGraphs(dit, 4, compile_blocks=True, dynamic=dynamic)
+            for name, model, pad, varlen in variants:
+                model.varlen_attention = varlen
+                ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
+                graphs = StepGraphs(model, 4, compile_blocks=True, dynamic=dynamic)
                 started = time.perf_counter()
                 graphs.sample(ctx, x, grid, 2.0)
                 compile_s = time.perf_counter() - started
