@@ -100,6 +100,11 @@ def resolve_device(devices: str) -> torch.device:
     return torch.device("cpu")
 
 
+def precision_dtype(precision: Precision) -> torch.dtype:
+    """The dtype the DiT and the thinker are held in (``fp8`` converts some DiT linears further, in the pipeline)."""
+    return torch.float32 if precision == "exact" else torch.bfloat16
+
+
 def resolve_precision(setting: str, device: torch.device) -> Precision:
     if setting == "float32":
         return "exact"
@@ -134,6 +139,12 @@ class AuKPipeline:
         self.device = device
         self.precision = precision
         self.model_hashes = model_hashes
+        if precision == "fp8":
+            if not fp8_supported(device):
+                what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+                raise ConfigError(f"fp8 precision needs a GPU of compute capability 8.9 or later (Ada, Hopper), "
+                                  f"not {what}")  # fmt: skip
+            log.info("dit: %d block linears in fp8", use_fp8_block_linears(dit))
         self.startup: dict[str, float] = {"load": 0.0, "warm_up": 0.0}  # seconds
         model_config = deploy.dit.model_config
         self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
@@ -183,10 +194,7 @@ class AuKPipeline:
         release = read_release(checkpoint, qwen_path=qwen_path)
         device = torch.device(device) if device is not None else resolve_device(deploy.dit.devices)
         precision = precision or resolve_precision(deploy.dit.dtype, device)
-        model_dtype = torch.float32 if precision == "exact" else torch.bfloat16
-        if precision == "fp8" and not fp8_supported(device):
-            what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-            raise ConfigError(f"fp8 precision needs a GPU of compute capability 8.9 or later (Ada, Hopper), not {what}")
+        model_dtype = precision_dtype(precision)
         if device.type == "cuda":
             _apply_memory_fraction(deploy, device)
         if precision == "exact":
@@ -203,8 +211,6 @@ class AuKPipeline:
         load_strict(dit, dit_state, str(release.weights_path), prefix="transformer.")
         dit.eval().requires_grad_(False)
         del dit_state
-        if precision == "fp8":
-            log.info("dit: %d block linears in fp8", use_fp8_block_linears(dit))
 
         vae = load_vae(read_safetensors(release.vae_path, device), release.vae, device)
         vae.eval().requires_grad_(False)

@@ -19,10 +19,9 @@ from auk_worker.checkpoint import Release
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
-from auk_worker.model.fp8 import use_fp8_block_linears
 from auk_worker.model.tiny_qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
-from auk_worker.pipeline import AuKPipeline, Precision
+from auk_worker.pipeline import AuKPipeline, Precision, precision_dtype
 
 RELEASE_ARCH = {
     "dim": 1536,
@@ -78,7 +77,7 @@ def random_pipeline(
     """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times)."""
     device = torch.device(device)
     deploy = deploy or load_deploy_config()
-    dtype = torch.float32 if precision == "exact" else torch.bfloat16
+    dtype = precision_dtype(precision)
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -95,8 +94,6 @@ def random_pipeline(
             for name, param in dit.named_parameters():
                 if not param.any():
                     param.normal_(0.0, 0.02)
-            if precision == "fp8":
-                use_fp8_block_linears(dit)
             layer_weights = torch.randn(QWEN_3B_TEXT["num_hidden_layers"])
             layer_scale = torch.ones(1)
         encoder = ThinkerEncoder(PromptProcessor.from_pretrained(qwen_dir), trunk, layer_weights, layer_scale)
