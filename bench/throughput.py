@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,15 @@ from auk_worker.deploy import load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from bench.common import BULK_INSTRUCTION, write_result
 
-from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env, free_port
+from auk_worker.service.local import (
+    REPO,
+    ApiProcess,
+    RedisServer,
+    S3Server,
+    WorkerProcess,
+    connection_env,
+    free_port,
+)
 
 log = logging.getLogger("bench.throughput")
 
@@ -64,10 +70,8 @@ class ServiceUnderTest:
         self.pipeline = pipeline
         self.deploy_config = deploy_config
         self.checkpoint = checkpoint
-        self.api: subprocess.Popen | None = None
+        self.api: ApiProcess | None = None
         self.worker: WorkerProcess | None = None
-        self.api_log = workdir / "api.log"
-        self.url = ""
 
     def start(self, ready_timeout: float) -> ServiceUnderTest:
         self.redis.start()
@@ -78,9 +82,7 @@ class ServiceUnderTest:
         )
         if self.checkpoint is not None:
             env["AUK_CHECKPOINT"] = str(self.checkpoint)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.api = _start_api({**env, "AUK_API_KEYS": API_KEY, "AUK_API_PORT": str(port)}, self.api_log, self.url)
+        self.api = ApiProcess({**env, "AUK_API_KEYS": API_KEY}, free_port(), self.workdir / "api.log").start()
         self.worker = WorkerProcess(env, "bench-throughput", self.workdir).start()
         self.worker.wait_state(self.redis.client(), "ready", timeout=ready_timeout)
         return self
@@ -89,32 +91,9 @@ class ServiceUnderTest:
         if self.worker is not None:
             self.worker.terminate(timeout=60)
         if self.api is not None:
-            self.api.terminate()
-            try:
-                self.api.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - a stuck API is killed; the benchmark is over
-                self.api.kill()
+            self.api.stop()
         self.s3.stop()
         self.redis.stop()
-
-
-def _start_api(env: dict[str, str], log_path: Path, url: str, timeout: float = 60.0) -> subprocess.Popen:
-    full = {**os.environ, **env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "api"], stdout=out, stderr=subprocess.STDOUT, env=full,
-                                cwd=REPO)  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the API exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the API did not answer within {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
 
 
 def post_batch(http: httpx.Client, jobs: int, seconds: float, steps: int | None, tag: str) -> str:
@@ -204,7 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             service.start(ready_timeout=args.ready_timeout)
             store = JobStore(service.redis.client())
-            with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {API_KEY}"},
+            with httpx.Client(base_url=service.api.url, headers={"Authorization": f"Bearer {API_KEY}"},
                               timeout=120) as http:  # fmt: skip
                 if warmup:
                     log.info("warm-up batch of %d jobs", warmup)
