@@ -37,8 +37,6 @@ import httpx
 
 from auk_worker.deploy import load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from bench.common import BULK_INSTRUCTION, write_result
-
 from auk_worker.service.local import (
     REPO,
     ApiProcess,
@@ -48,6 +46,7 @@ from auk_worker.service.local import (
     connection_env,
     free_port,
 )
+from bench.common import BULK_INSTRUCTION, write_result
 
 log = logging.getLogger("bench.throughput")
 
