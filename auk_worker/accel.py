@@ -161,6 +161,21 @@ def _clone_ctx(ctx: DiTContext) -> DiTContext:
     return clone(ctx)  # type: ignore[return-value]
 
 
+# Compilations a block may hold. Dynamo compiles a block again for each layout the graph path meets: padded audio,
+# text or keys present or not, one row or several, the precision's module types. These multiply past dynamo's
+# default of 8, and with ``fullgraph`` the ninth raises inside a job instead of falling back.
+BLOCK_COMPILATIONS = 64
+
+
+def compile_dit_blocks(dit: AuKDiT, dynamic: bool = True, backend: str = "inductor") -> None:
+    """Regional ``torch.compile`` of the repeated blocks. Dynamic shapes: one compilation serves every sequence
+    length, so a new shape costs a capture, not a recompile."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, BLOCK_COMPILATIONS)
+    for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
+        block.compile(fullgraph=True, dynamic=dynamic, backend=backend)
+
+
 class StepGraphs:
     """Per-shape CUDA graphs of a guided Euler step, at most ``max_graphs`` at a time."""
 
@@ -171,10 +186,7 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.table = ModulationTable(dit, MODULATION_STEPS)
         if compile_blocks:
-            for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
-                # Dynamic shapes: one compilation serves every sequence length, so a new shape costs a capture,
-                # not a recompile.
-                block.compile(fullgraph=True, dynamic=dynamic)
+            compile_dit_blocks(dit, dynamic=dynamic)
 
     def sample(
         self, ctx: DiTContext, x0: Tensor, grid: Tensor, guidance_scale: float, on_step: StepCallback | None = None

@@ -21,7 +21,7 @@ from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.fp8 import use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity, time_grid
 from bench.models import RELEASE_ARCH
-from bench.pipeline import PEAK_FLOPS, block_linear_params
+from bench.pipeline import PEAK_FLOPS, position_weights
 
 
 def make_ctx(dit: AuKDiT, rows: int, text: int, ref: int, frames: int, pad: int):
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16).eval().requires_grad_(False)
     positions = args.text + args.ref + args.frames
     blocks = 30
-    flops = 2 * args.rows * (positions * 2 * block_linear_params(dit) + 4 * positions**2 * 1536 * blocks)
+    flops = 2 * args.rows * (positions * 2 * position_weights(dit) + 4 * positions**2 * 1536 * blocks)
     grid = time_grid(32, -1.0).cuda()
     # (name, model, padding, variable-length attention): without padding nothing is masked; padded, the masked
     # keys go through FlashAttention's variable-length kernel or through masked SDPA

@@ -5,7 +5,7 @@
 
 Latency is the wall time of ``AuKPipeline.render`` (from the call to the finished float32 waveform on the host),
 median of ``--runs`` warm runs after ``--warmup`` runs. DiT utilisation counts the useful work of the Euler loop:
-per position 2 x 708 M block-linear weights... precisely 2 x (DiT parameters in the per-token linears) FLOP, plus
+2 FLOP per block-linear weight a position passes (708 M at release size, :func:`position_weights`), plus
 4 L^2 d FLOP of attention per block and row, over the time the loop took, against 790 TFLOP/s (the H200's dense
 bf16 rate measured on random data).
 """
@@ -24,6 +24,7 @@ import torch
 
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample
 from auk_worker.model.dit import varlen_attention_supported
+from auk_worker.model.fp8 import block_linears
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
 from bench.common import BULK_INSTRUCTION, environment, median, write_result
 
@@ -50,14 +51,17 @@ VLLM_OMNI_S = {  # published for vLLM-Omni's deployment on an H200-class GPU
 }
 
 
-def block_linear_params(dit: torch.nn.Module) -> int:
-    """Weights every position passes through once per forward: the blocks' token-wise linears, embeddings, output."""
-    skip = ("time_embed", "attn_norm", "norm_out", "rotary", "conv_pos_embed", "norm.")
-    return sum(p.numel() for name, p in dit.named_parameters() if p.dim() == 2 and not any(s in name for s in skip))
+def position_weights(dit: torch.nn.Module) -> int:
+    """Block-linear weights one position passes per forward: all of a single block's, and half of a double block's
+    (audio positions pass the audio stream's linears, text positions the text stream's twins of the same sizes).
+    The embeddings and the output projection are left out (per job, or under 0.1 %)."""
+    double = {id(module) for block in dit.transformer_blocks for module in block.modules()}
+    weights = [(getattr(parent, name).weight.numel(), id(parent) in double) for parent, name in block_linears(dit)]
+    return sum(size // 2 if in_double else size for size, in_double in weights)
 
 
 def dit_flops(pipe, positions: int, text: int, frames: int, rows: int, steps: int) -> float:
-    per_position = 2 * block_linear_params(pipe.dit)
+    per_position = 2 * position_weights(pipe.dit)
     config = pipe.dit.config
     blocks = config.num_layers + config.num_single_layers
     attention = 4 * positions**2 * config.heads * config.dim_head * blocks

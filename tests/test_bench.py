@@ -24,3 +24,20 @@ def test_tiny_pipeline_benchmark_runs(tmp_path):
             assert row["samples"] == int(seconds.rstrip("s")) * 24_000
             assert row["wall_s"] > 0 and row["stages_ms"]["dit"] > 0
     assert result["environment"]["torch"]
+
+
+def test_utilisation_counts_the_weights_a_position_passes():
+    """708 M block-linear weights per position at release size, the figure the DiT's compute limit is quoted with
+    (a double block's text-stream twins are passed by text positions only, so they do not count twice)."""
+    import torch
+
+    from auk_worker.model.dit import AuKDiT, DiTConfig
+    from bench.models import RELEASE_ARCH
+    from bench.pipeline import position_weights
+
+    with torch.device("meta"):
+        dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64))
+    dim, inner = 1536, 3072
+    per_block = dim * 3 * dim + dim * dim + dim * 2 * inner + inner * dim
+    assert position_weights(dit) == 30 * per_block
+    assert round(position_weights(dit) / 1e6) == 708

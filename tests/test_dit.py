@@ -510,3 +510,29 @@ def test_the_step_graphs_modulation_table_serves_each_step_its_row_window_by_win
         cached = table.cache[tuple(grid[6:7].tolist())]
         table.fill(grid[6:7])
         assert table.cache[tuple(grid[6:7].tolist())] is cached
+
+
+def test_compiled_blocks_serve_every_layout_a_worker_meets() -> None:
+    """More layouts than dynamo's default recompile limit of 8 pass through the compiled blocks (with
+    ``fullgraph`` the ninth compilation would raise inside a job), each with the uncompiled blocks' output."""
+    from auk_worker.accel import compile_dit_blocks
+
+    plain, compiled = make_model(seed=2), make_model(seed=2)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compile_dit_blocks(compiled, backend="eager")  # dynamo's guards and limits, no code generation
+        layouts = [  # (rows, text lens, reference lens, target lens, cfg)
+            (1, [5], None, None, False), (1, [5], None, None, True), (1, [5], [4], None, False),
+            (1, [5], [4], None, True), (2, [5, 3], None, None, False), (2, [5, 3], None, None, True),
+            (2, [5, 5], None, [7, 4], True), (2, [5, 3], [4, 2], [7, 4], True), (2, [5, 5], [4, 4], None, True),
+            (3, [5, 5, 5], None, [7, 7, 2], False), (3, [5, 4, 5], [4, 4, 1], None, True),
+        ]
+        with torch.no_grad():
+            for i, (rows, text_lens, ref_lens, target_lens, cfg) in enumerate(layouts):
+                text, x = rand(rows, 5, 32, seed=60 + i), rand(rows, 7, 64, seed=80 + i)
+                ref = None if ref_lens is None else rand(rows, 4, 64, seed=70 + i)
+                args = (torch.tensor(text_lens), ref, None if ref is None else torch.tensor(ref_lens), None, 7,
+                        None if target_lens is None else torch.tensor(target_lens))
+                want = plain(x, 0.3, plain.prepare(text, *args, cfg=cfg))
+                got = compiled(x, 0.3, compiled.prepare(text, *args, cfg=cfg))
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
