@@ -246,8 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     from pathlib import Path
 
-    name = "pipeline-tiny" if args.tiny else "pipeline"
-    path = write_result(f"{name}-throughput" if args.throughput else name, result, Path(args.out) if args.out else None)
+    # One file per kind of run, so that a fp8 or masked-attention run never overwrites the default one.
+    name = "-".join(
+        ["pipeline"]
+        + ["tiny"] * args.tiny
+        + ["throughput"] * bool(args.throughput)
+        + [args.precision] * (args.precision != "fast")
+        + ["masked-attention"] * args.masked_attention
+        + ["eager-kernels"] * args.no_compile
+        + ["plain-vae"] * args.plain_vae
+    )
+    path = write_result(name, result, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0
 

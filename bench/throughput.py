@@ -1,7 +1,7 @@
 """Overnight throughput: one batch of N base instruct-TTS jobs through the real service, timed end to end.
 
 ``python -m bench.throughput [--jobs N] [--seconds 6] [--pipeline tiny|instant|release]
-[--deploy-config config/auk-bulk.yaml]`` starts a private redis-server, a SeaweedFS S3 server, the API and one
+[--deploy-config config/auk-bulk.yaml] [--dtype float8]`` starts a private redis-server, a SeaweedFS S3 server, the API and one
 worker (the process managers of ``auk_worker/service/local.py``), posts ONE batch of N jobs of ``--seconds`` each
 (same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the deploy config's
 ``max_num_seqs``, and waits until the batch is done. It reports:
@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import yaml
 
 from auk_worker.deploy import load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
@@ -167,12 +168,22 @@ def group_phases(worker_log: str) -> dict[str, float]:
     return {name: round(ms, 1) for name, ms in medians.items()}
 
 
+def with_dit_dtype(deploy_config: Path, dtype: str, copy: Path) -> Path:
+    """A copy of ``deploy_config`` whose stage 1 ``dtype`` is ``dtype`` (the API and the worker both read it)."""
+    raw = yaml.safe_load(deploy_config.read_text())
+    raw["stages"][1]["dtype"] = dtype
+    copy.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return copy
+
+
 def run(args: argparse.Namespace) -> dict:
-    deploy_config = args.deploy_config.resolve()
-    deploy = load_deploy_config(deploy_config)
-    warmup = deploy.dit.max_num_seqs if args.warmup is None else args.warmup
     with tempfile.TemporaryDirectory(prefix="auk-throughput-") as tmp:
         work = Path(tmp)
+        deploy_config = args.deploy_config.resolve()
+        if args.dtype:
+            deploy_config = with_dit_dtype(deploy_config, args.dtype, work / deploy_config.name)
+        deploy = load_deploy_config(deploy_config)
+        warmup = deploy.dit.max_num_seqs if args.warmup is None else args.warmup
         checkpoint = None
         if args.pipeline == "tiny":
             from auk_worker.tiny import make_tiny_checkpoint
@@ -204,6 +215,7 @@ def run(args: argparse.Namespace) -> dict:
         "setup": {
             "pipeline": args.pipeline,
             "deploy_config": str(args.deploy_config),
+            "dit_dtype": deploy.dit.dtype,
             "max_num_seqs": deploy.dit.max_num_seqs,
             "position_budget": deploy.dit.model_config.auk_dit_batch_position_budget,
             "gen_seconds": args.seconds,
@@ -225,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="release (random weights, GPU), tiny (tiny checkpoint) or instant (no model)")  # fmt: skip
     parser.add_argument("--deploy-config", type=Path, default=REPO / "config" / "auk-bulk.yaml",
                         help="deploy YAML for the API and the worker (default config/auk-bulk.yaml)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float8"), default=None,
+                        help="stage 1 dtype instead of the config's (float8: the DiT's block linears in E4M3)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the config's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed jobs first (default: max_num_seqs)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for a batch")
@@ -236,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     result = run(args)
-    path = write_result("throughput", result, args.out)
+    name = f"throughput-{args.dtype}" if args.dtype and args.dtype != "auto" else "throughput"
+    path = write_result(name, result, args.out)
     print(
         f"throughput ({args.pipeline}, {result['jobs']} x {args.seconds:g} s, max_num_seqs "
         f"{result['setup']['max_num_seqs']}): {result['audio_s_per_s']:.2f} audio s / s, "
