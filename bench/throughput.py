@@ -1,10 +1,11 @@
 """Overnight throughput: one batch of N base instruct-TTS jobs through the real service, timed end to end.
 
 ``python -m bench.throughput [--jobs N] [--seconds 6] [--pipeline tiny|instant|release]
-[--deploy-config config/auk-bulk.yaml] [--dtype float8]`` starts a private redis-server, a SeaweedFS S3 server, the API and one
-worker (the process managers of ``auk_worker/service/local.py``), posts ONE batch of N jobs of ``--seconds`` each
-(same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the deploy config's
-``max_num_seqs``, and waits until the batch is done. It reports:
+[--deploy-config config/auk-bulk.yaml] [--dtype float8]`` starts a private redis-server, a SeaweedFS S3 server,
+the API and one worker (the process managers of ``auk_worker/service/local.py``), posts ONE batch of N jobs of
+``--seconds`` each (same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the
+deploy config's ``max_num_seqs``, and waits until the batch is done. ``--dtype`` runs API and worker on a copy of
+the deploy config with that stage 1 ``dtype``. It reports:
 
 - audio seconds rendered per wall second and jobs per second, over the render window (first job started to last
   job finished) and from enqueue (just before the POST to the last job finished);
@@ -16,8 +17,8 @@ Pipelines: ``instant`` (silence, no model: the service's own ceiling), ``tiny`` 
 temporary directory), ``release`` (``AUK_PIPELINE=random-release``: release-size random weights built by
 ``bench/models.py``, for a GPU). Before the timed batch, an untimed warm-up batch (``--warmup`` jobs, one group
 by default) lets a graph-capturing worker record the group shapes. The result goes to
-``bench/results/throughput-<device>-<date>.json``. Run it from the repository root. The issue's target: at least
-40 s of audio per wall second on one H200 with 6 s jobs.
+``bench/results/throughput[-<dtype>]-<device>-<date>.json``. Run it from the repository root. The issue's target:
+at least 40 s of audio per wall second on one H200 with 6 s jobs.
 """
 
 from __future__ import annotations

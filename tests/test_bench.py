@@ -1,7 +1,9 @@
-"""The CPU benchmark stays runnable: `python -m bench.pipeline --tiny --device cpu` writes a complete result."""
+"""The benchmarks stay honest on the CPU: `python -m bench.pipeline --tiny --device cpu` writes a complete result,
+the utilisation counts the right weights, and `bench.throughput --dtype` changes only what it says."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -41,3 +43,17 @@ def test_utilisation_counts_the_weights_a_position_passes():
     per_block = dim * 3 * dim + dim * dim + dim * 2 * inner + inner * dim
     assert position_weights(dit) == 30 * per_block
     assert round(position_weights(dit) / 1e6) == 708
+
+
+def test_throughput_dtype_option_rewrites_only_stage_one_dtype(tmp_path):
+    """``bench.throughput --dtype float8`` serves a copy of the deploy config that differs in that field alone."""
+    from auk_worker.deploy import load_deploy_config
+    from auk_worker.service.local import REPO
+    from bench.throughput import with_dit_dtype
+
+    source = REPO / "config" / "auk-bulk.yaml"
+    original = load_deploy_config(source)
+    copy = load_deploy_config(with_dit_dtype(source, "float8", tmp_path / "bulk.yaml"))
+    assert original.dit.dtype == "auto" and copy.dit.dtype == "float8"
+    assert copy.encoder == original.encoder
+    assert dataclasses.replace(copy.dit, dtype="auto") == original.dit
