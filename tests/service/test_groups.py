@@ -9,9 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import manifest_key, result_key
 from bench.throughput import group_phases
-from tests.service.harness import REPO, _stop, _wait, free_port
+from tests.service.harness import REPO, ApiProcess, free_port
 from tests.service.test_worker import (
     OWNER,
     broker_idle,
@@ -224,18 +221,14 @@ def test_api_sends_a_batch_as_groups_of_max_num_seqs(
     deploy["stages"][1]["max_num_seqs"] = 4
     config = tmp_path / "auk-bulk-4.yaml"
     config.write_text(yaml.safe_dump(deploy))
-    port = free_port()
-    env = {**service_env, "AUK_DEPLOY_CONFIG": str(config), "AUK_API_KEYS": API_KEY, "AUK_API_PORT": str(port)}
-    api_log = tmp_path / "api.log"
-    api = subprocess.Popen([sys.executable, "-m", "api"], stdout=api_log.open("ab"), stderr=subprocess.STDOUT,
-                           env={**os.environ, **env, "PYTHONPATH": str(REPO)}, cwd=REPO)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    env = {**service_env, "AUK_DEPLOY_CONFIG": str(config), "AUK_API_KEYS": API_KEY}
+    api = ApiProcess(env, free_port(), tmp_path / "api.log")
     try:
-        _wait("API", lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200, 60, api, api_log)
+        api.start(timeout=60)
         lengths = [0.2 + 0.05 * ((7 * i) % 10) for i in range(10)]
         jsonl = "\n".join(json.dumps({"instruction": f"Line {i}.", "gen_seconds": s, "custom_id": f"c{i}"})
                           for i, s in enumerate(lengths))  # fmt: skip
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http:
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http:
             response = http.post("/v1/batches", content=jsonl, headers={"Content-Type": "application/x-ndjson"})
             assert response.status_code == 202, response.text
             batch_id = response.json()["id"]
@@ -266,4 +259,4 @@ def test_api_sends_a_batch_as_groups_of_max_num_seqs(
         assert set(phases) == {"between_tasks", "prepare", "render", "store"} and phases["render"] > 0
         assert redis_client.llen(BULK) == 0
     finally:
-        _stop(api)
+        api.stop()
