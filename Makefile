@@ -27,7 +27,13 @@ run: setup
 demo-once: setup
 	$(PY) -m auk_worker.demo --once
 
+# docker-compose (Debian's) only validates docker-compose.yml in tests/test_compose.py; where it cannot be
+# installed those tests skip and say so.
 test: setup
+	@command -v docker-compose >/dev/null || { \
+	  echo "installing docker-compose (Debian package) to validate docker-compose.yml"; \
+	  (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 || \
+	  echo "docker-compose could not be installed: tests/test_compose.py will skip" >&2; }
 	$(PY) -m pytest -q
 
 test-fast: setup
