@@ -69,6 +69,10 @@ class DiTSampling:
     sway: float = -1.0
 
 
+# Stage 1 weights: auto (bf16 on CUDA, fp32 on the CPU), float32, bfloat16, or float8 (bf16 with E4M3 block linears).
+DiTDtype = Literal["auto", "float32", "bfloat16", "float8"]
+
+
 @dataclass(frozen=True)
 class DiTStage:
     stage_id: int = 1
@@ -78,7 +82,7 @@ class DiTStage:
     enforce_eager: bool = False
     model_config: DiTModelConfig = field(default_factory=DiTModelConfig)
     default_sampling_params: DiTSampling = field(default_factory=DiTSampling)
-    dtype: Literal["auto", "float32", "bfloat16", "float8"] = "auto"  # float8: bf16 with E4M3 block linears
+    dtype: DiTDtype = "auto"
 
 
 @dataclass(frozen=True)

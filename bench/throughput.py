@@ -31,13 +31,14 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import yaml
 
-from auk_worker.deploy import load_deploy_config
+from auk_worker.deploy import DiTDtype, load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.local import (
     REPO,
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="release (random weights, GPU), tiny (tiny checkpoint) or instant (no model)")  # fmt: skip
     parser.add_argument("--deploy-config", type=Path, default=REPO / "config" / "auk-bulk.yaml",
                         help="deploy YAML for the API and the worker (default config/auk-bulk.yaml)")  # fmt: skip
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float8"), default=None,
+    parser.add_argument("--dtype", choices=typing.get_args(DiTDtype), default=None,
                         help="stage 1 dtype instead of the config's (float8: the DiT's block linears in E4M3)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the config's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed jobs first (default: max_num_seqs)")
