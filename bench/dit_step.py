@@ -1,6 +1,6 @@
 """One guided DiT step at release size, in its variants: eager or graph, padded (masked) or exact, compiled or not.
 
-    python -m bench.dit_step [--compile] [--profile] [--rows 8] [--fp8]
+    python -m bench.dit_step [--compile] [--profile] [--rows 8] [--fp8] [--variants exact padded ...]
 
 Reports milliseconds per CFG step (median of 20 replays) and the DiT compute utilisation; ``--profile`` prints the
 top GPU kernels of one eager step. Used to choose the fast path; the pipeline benchmark measures the whole render.
@@ -9,6 +9,7 @@ top GPU kernels of one eager step. Used to choose the fast path; the pipeline be
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import statistics
 import sys
@@ -62,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dynamic", choices=("yes", "no", "both"), default="both")
     parser.add_argument("--rows", type=int, default=1, help="jobs in the step (a bulk pass: 8)")
     parser.add_argument("--fp8", action="store_true", help="also time the padded step with FP8 block linears")
+    parser.add_argument("--variants", nargs="+", help="time only these variants (exact, padded, ...)")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config settings for the compiled runs, e.g. coordinate_descent_tuning=True")
     args = parser.parse_args(argv)
+    for setting in args.inductor:
+        key, value = setting.split("=", 1)
+        torch._inductor.config.__setattr__(key, ast.literal_eval(value))
     torch.manual_seed(0)
     with torch.device("cuda"):
         dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16).eval().requires_grad_(False)
@@ -77,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         fp8_dit = copy.deepcopy(dit)
         use_fp8_block_linears(fp8_dit)
         variants.append(("padded, fp8", fp8_dit, 7, True))
+    if args.variants:
+        variants = [variant for variant in variants if variant[0] in args.variants]
     with torch.inference_mode():
         for name, model, pad, varlen in variants:
             model.varlen_attention = varlen

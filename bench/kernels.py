@@ -1,6 +1,7 @@
 """Where the GPU time of each stage goes: the top kernels of one DiT step, one VAE decode and one audio-tower pass.
 
-    python -m bench.kernels [--text 155] [--frames 150] [--batch 1] [--decode-frames 300] [--mel-frames 500]
+    python -m bench.kernels [--text 155] [--ref 0] [--frames 150] [--batch 1] [--fp8] [--decode-frames 300]
+                            [--mel-frames 500] [--stages dit gemm attention decode audio encode]
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
 profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs
+from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, compile_dit_blocks
 from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT, DiTConfig
+from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.sampling import guided_velocity
 from auk_worker.model.tiny_qwen import write_tiny_qwen
@@ -45,6 +47,27 @@ def profile(name: str, fn, rows: int) -> None:
     for e in kernels[:rows]:
         share = e.self_device_time_total / busy_us
         print(f"   {e.self_device_time_total / 1e3:7.3f} ms {share:6.1%} {e.count:5d} x  {e.key[:90]}", flush=True)
+
+
+def block_gemms(tokens: int) -> None:
+    """The block linears' matrix products at ``tokens`` rows (a step's positions over its CFG rows), alone, in
+    bf16 and in FP8: how close each shape gets to the GPU's limit, the ceiling for the DiT step."""
+    d, inner = RELEASE_ARCH["dim"], int(RELEASE_ARCH["dim"] * RELEASE_ARCH["ff_mult"])
+    shapes = {"to_qkv": (d, 3 * d), "to_out": (d, d), "linear_in": (d, 2 * inner), "linear_out": (inner, d)}
+    print(f"\n== block linears at {tokens} rows, microseconds per call (TFLOP/s):", flush=True)
+    for name, (k, n) in shapes.items():
+        linear = torch.nn.Linear(k, n, bias=name == "to_qkv", device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        line = f"   {name:10s} [{tokens}, {k}] x [{k}, {n}]"
+        for precision, layer in (("bf16", linear), ("fp8", Fp8Linear(linear))):
+            layer(x)  # replayed from a graph of 50 calls, so host launch time is not what is measured
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(50):
+                    layer(x)
+            elapsed = timed(graph.replay, 10) / 50
+            line += f"   {precision} {elapsed * 1e6:6.1f} ({2 * tokens * k * n / elapsed / 1e12:5.0f})"
+        print(line, flush=True)
 
 
 def attention_backends(length: int, padding: int = 5) -> None:
@@ -111,7 +134,9 @@ def attention_backends(length: int, padding: int = 5) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels")
     parser.add_argument("--text", type=int, default=155)
+    parser.add_argument("--ref", type=int, default=0, help="reference frames in the DiT step (zero-shot)")
     parser.add_argument("--frames", type=int, default=150)
+    parser.add_argument("--fp8", action="store_true", help="profile the DiT step with FP8 block linears as well")
     parser.add_argument("--batch", type=int, default=1, help="jobs in the DiT step (a bulk pass: 8)")
     parser.add_argument("--decode-frames", type=int, default=300)
     parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
@@ -126,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("cuda"):
                 dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16)
             dit.eval().requires_grad_(False)
-            for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
-                block.compile(fullgraph=True, dynamic=True)
-            ctx, x = make_ctx(dit, args.batch, args.text, 0, args.frames, args.pad)
+            compile_dit_blocks(dit)  # as the worker compiles them
+            ctx, x = make_ctx(dit, args.batch, args.text, args.ref, args.frames, args.pad)
             velocity = guided_velocity(dit, ctx, 2.0)
             t = torch.tensor(0.5, device="cuda")
-            profile(f"DiT CFG step, {args.batch} job(s), text {args.text}, frames {args.frames}",
-                    lambda: velocity(x, t, 3), args.rows)
+            shape = f"{args.batch} job(s), text {args.text}, ref {args.ref}, frames {args.frames}"
+            profile(f"DiT CFG step, {shape}", lambda: velocity(x, t, 3), args.rows)
+            if args.fp8:
+                use_fp8_block_linears(dit)
+                profile(f"DiT CFG step, FP8 block linears, {shape}", lambda: velocity(x, t, 3), args.rows)
             del dit, ctx
+        if "gemm" in args.stages:
+            block_gemms(2 * args.batch * (args.text + args.ref + args.frames + args.pad))
         if "attention" in args.stages:
             attention_backends(args.text + args.frames + args.pad, args.masked)
         if "decode" in args.stages:
