@@ -55,7 +55,7 @@ def _leaves(obj: object) -> Iterator[Tensor | None]:
 
 def _signature(ctx: DiTContext) -> tuple:
     """What a captured graph depends on: the shape and dtype of every context tensor (None where absent)."""
-    return (ctx.cfg, ctx.target_len, ctx.single.flagged) + tuple(
+    return (ctx.cfg, ctx.target_len) + tuple(
         None if t is None else (tuple(t.shape), t.dtype) for t in _leaves(ctx)
     )
 

@@ -18,13 +18,12 @@ import json
 import sys
 import tempfile
 import time
-from typing import get_args
 
 import numpy as np
 import torch
 
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample
-from auk_worker.model.dit import AttentionKernel
+from auk_worker.model.dit import varlen_attention_supported
 from auk_worker.model.fp8 import block_linears
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
 from bench.common import BULK_INSTRUCTION, environment, median, write_result
@@ -146,7 +145,8 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.reset_peak_memory_stats()
         base = random_pipeline("base", args.device, args.precision, compile_blocks=not args.no_compile,
                                vae_fast_paths=not args.plain_vae)
-        base.dit.attention_kernel = args.attention
+        if args.masked_attention:
+            base.dit.varlen_attention = False
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
         flash = base.sharing_weights(release=flash)
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
@@ -206,7 +206,8 @@ def run(args: argparse.Namespace) -> dict:
         "graphs": base.step_graphs is not None,
         "compiled_blocks": not args.no_compile and base.step_graphs is not None,
         "vae_fast_paths": base.encode_graphs is not None,
-        "attention_kernel": base.dit.attention_kernel or base.dit.default_attention_kernel(),
+        "padded_attention": "masked SDPA" if args.masked_attention or not varlen_attention_supported(
+            base.dit.device, base.dit.dtype, base.dit.config.dim_head) else "variable-length FlashAttention",
         "runs": args.runs,
         "startup_s": startup,
         "latency": table,
@@ -227,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="graphs of eager kernels (no compiled DiT blocks)")
     parser.add_argument("--plain-vae", action="store_true",
                         help="the VAE's convolution activations and eager reference encode (no VAE fast paths)")
-    parser.add_argument("--attention", choices=get_args(AttentionKernel), default=None,
-                        help="the DiT's attention path (default: the fastest the device supports)")
+    parser.add_argument("--masked-attention", action="store_true",
+                        help="masked SDPA for padded sequences (no variable-length FlashAttention)")
     parser.add_argument("--throughput", type=int, default=0, metavar="JOBS",
                         help="measure bulk throughput over JOBS 6 s instruct jobs instead of latency")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="jobs per DiT pass (throughput)")
@@ -245,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     from pathlib import Path
 
-    # One file per kind of run, so that a fp8 or other attention run never overwrites the default one.
+    # One file per kind of run, so that a fp8 or masked-attention run never overwrites the default one.
     name = "-".join(
         ["pipeline"]
         + ["tiny"] * args.tiny
         + ["throughput"] * bool(args.throughput)
         + [args.precision] * (args.precision != "fast")
-        + [f"{args.attention}-attention"] * bool(args.attention)
+        + ["masked-attention"] * args.masked_attention
         + ["eager-kernels"] * args.no_compile
         + ["plain-vae"] * args.plain_vae
     )

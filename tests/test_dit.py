@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +11,7 @@ from torch import nn
 
 from auk_worker.errors import CheckpointError, InputError
 from auk_worker.model import dit as dit_module
-from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig, RotaryEmbedding
+from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -319,7 +314,7 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
     outputs = {}
     with torch.no_grad():
         for varlen in (False, True):
-            model.attention_kernel = "varlen" if varlen else "sdpa"
+            model.varlen_attention = varlen
             ctx = model.prepare(text, lens["nt"], ref if with_ref else None, lens["np"] if with_ref else None,
                                 lens["valid"] if with_ref else None, n, lens["n"], cfg=cfg)
             assert (ctx.joint.visible_keys is not None) == varlen and (ctx.single.visible_keys is not None) == varlen
@@ -330,84 +325,9 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
                                    rtol=0, atol=1e-5)  # fmt: skip
 
 
-@pytest.mark.parametrize("cfg", [False, True])
-@pytest.mark.parametrize("with_ref", [True, False])
-def test_flagged_attention_matches_the_masked_attention(cfg: bool, with_ref: bool) -> None:
-    """The mask as a head channel (0 visible, HIDDEN_KEY hidden) and an unmasked attention, in its torch form:
-    the same velocity as masked SDPA on a padded batch, and on a batch with nothing masked."""
-    model = make_model(seed=2)
-    nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
-    text, ref, x = 50 * rand(2, nt, 32, seed=23), 50 * rand(2, np_, 64, seed=24), 50 * rand(2, n, 64, seed=25)
-    lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
-    t = torch.tensor([r["t"] for r in ROWS])
-    for padded in (True, False):
-        args = (text, lens["nt"], ref if with_ref else None, lens["np"] if with_ref else None,
-                lens["valid"] if with_ref else None, n, lens["n"]) if padded else (
-                text[:1, : ROWS[0]["nt"]], None, ref[:1] if with_ref else None, None, None, n)  # fmt: skip
-        rows = 2 if padded else 1
-        outputs = {}
-        with torch.no_grad():
-            for kernel in ("sdpa", "flagged"):
-                model.attention_kernel = kernel
-                ctx = model.prepare(*args, cfg=cfg)
-                assert ctx.single.flagged == ctx.joint.flagged == (kernel == "flagged")
-                assert (ctx.single.key_flag is not None) == (kernel == "flagged" and padded)
-                outputs[kernel] = model(x[:rows], t[:rows], ctx)
-        for i in range(rows):
-            valid = ROWS[i]["n"] if padded else n
-            torch.testing.assert_close(outputs["flagged"][i::rows, :valid], outputs["sdpa"][i::rows, :valid],
-                                       rtol=0, atol=1e-5)  # fmt: skip
-
-
-def check_attention_inputs_kernel() -> None:
-    """``attention_kernel.write_stream`` against the torch form of ``attention_inputs``: two streams into one
-    joint sequence, with and without flags, in fp32 and bf16. Run with TRITON_INTERPRET=1 (see below)."""
-    from auk_worker.model.attention_kernel import write_stream
-    from auk_worker.model.dit import _reference_inputs
-
-    heads, dh, rows = 3, 16, 2
-    generator = torch.Generator().manual_seed(5)
-    rope = RotaryEmbedding(dh)
-    for dtype in (torch.float32, torch.bfloat16):
-        lengths = (7, 20)  # a stream shorter than a program's block, and one that spans two
-        qkvs = [4 * torch.randn(rows, m, 3 * heads * dh, generator=generator).to(dtype) for m in lengths]
-        q_weights = [(1 + torch.randn(dh, generator=generator)).to(dtype) for _ in lengths]
-        k_weights = [(1 + torch.randn(dh, generator=generator)).to(dtype) for _ in lengths]
-        tables = [rope.tables(torch.randint(0, 50, (rows, m), generator=generator)) for m in lengths]
-        seq = sum(lengths)
-        flags = torch.where(torch.rand(rows, seq, generator=generator) < 0.3, -30000.0, 0.0).to(dtype)
-        eps = torch.finfo(dtype).eps
-        for key_flag in (None, flags):
-            args = (qkvs, q_weights, k_weights, [r.cos for r in tables], [r.sin for r in tables], key_flag, heads, eps)
-            reference = _reference_inputs(*args)
-            out = torch.full_like(reference, float("nan"))
-            offset = 0
-            for qkv, qw, kw, table in zip(qkvs, q_weights, k_weights, tables):
-                write_stream(out, offset, qkv, qw, kw, eps, table.cos, table.sin, key_flag)
-                offset += qkv.shape[1]
-            assert torch.equal(out[..., dh:], reference[..., dh:])  # the flag channels, exactly
-            out, reference = out.float(), reference.float()
-            if dtype == torch.float32:  # the same operations up to summation order
-                torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-            else:  # the interpreter rounds to bf16 by truncation (Triton 3.9), so 1 ulp apart; GPU tests check more
-                ulp = 2.0**-7 * float(reference.abs().max())
-                assert float((out - reference).abs().max()) <= ulp
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
-def test_attention_inputs_kernel_matches_its_torch_form_in_the_triton_interpreter() -> None:
-    """The interpreter is chosen when the kernels are defined, so in a process of its own; tests/test_gpu.py
-    runs the compiled kernel on a GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_dit import check_attention_inputs_kernel; check_attention_inputs_kernel()"
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
 def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:
     model = copy.deepcopy(model)
-    model.attention_kernel = "varlen"
+    model.varlen_attention = True
     with torch.no_grad():
         ctx = model.prepare(rand(2, 3, 32, seed=26), torch.tensor([3, 2]), rand(2, 4, 64, seed=27),
                             torch.tensor([4, 2]), torch.tensor([3, 2]), 2, torch.tensor([2, 1]), cfg=False)
@@ -417,11 +337,10 @@ def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -
     for row in range(2):
         shown = keys.order[row, : keys.count[row]]
         assert visible[row, shown].all() and not visible[row, keys.order[row, keys.count[row] :]].any()
-    model.attention_kernel = None  # automatic: masked SDPA on the CPU
-    assert model.default_attention_kernel() == "sdpa"
+    model.varlen_attention = None  # automatic: only where FlashAttention runs, never on the CPU
     with torch.no_grad():
         ctx = model.prepare(rand(2, 3, 32, seed=26), torch.tensor([3, 2]), None, None, None, 2, cfg=False)
-    assert ctx.single.key_mask is not None and ctx.single.visible_keys is None and ctx.single.key_flag is None
+    assert ctx.single.key_mask is not None and ctx.single.visible_keys is None
 
 
 def test_prepare_rejects_inconsistent_lengths(model: AuKDiT) -> None:

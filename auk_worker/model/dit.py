@@ -13,12 +13,9 @@ velocity for the noisy target. No state is cached on the module.
 Precision: works with fp32 weights (exact) or bf16 weights without autocast. The time sinusoid, rotary positions,
 ``inv_freq`` and the rotary products stay fp32; values are cast to the weight dtype where they enter a Linear.
 
-Attention (``AuKDiT.attention_kernel``): where a context hides keys (batch or bucket padding, a masked reference
-frame) upstream gives SDPA a boolean mask, and so does the CPU and fp32 here ("sdpa"). A GPU in half precision
-runs "flagged": one Triton kernel takes the qkv projection to normed, rotated q and k in the joint sequence with
-the mask as an extra head channel (``attention_kernel.py``), and cuDNN attends without a mask. "varlen" is
-FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built once in
-``prepare``). All three attend over the same keys.
+Attention: where a context hides keys (batch or bucket padding, a masked reference frame), a GPU in half
+precision runs FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built
+once in ``prepare``); elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
 
 Shapes:
     b    requests (rows of the ODE state)
@@ -35,14 +32,13 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model import attention_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +134,6 @@ class JointLayout:
     rope_text: Rope
     key_mask: Tensor | None  # [bc, 1, 1, na + nt] True = attend, keys in [audio, text] order; None = all
     visible_keys: VisibleKeys | None  # the same mask for the variable-length kernel; None = use key_mask
-    flagged: bool  # attention through the fused inputs kernel and an unmasked attention
-    key_flag: Tensor | None  # [bc, na + nt] the mask as flags (0 visible, HIDDEN_KEY hidden); None = all visible
     audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
     text_keep: Tensor | None  # [bc, nt, 1]
 
@@ -151,8 +145,6 @@ class SingleLayout:
     rope: Rope
     key_mask: Tensor | None  # [bc, 1, 1, ns]
     visible_keys: VisibleKeys | None
-    flagged: bool
-    key_flag: Tensor | None  # [bc, ns]
     keep: Tensor | None  # [bc, ns, 1]
 
 
@@ -378,75 +370,6 @@ def varlen_attention_supported(device: torch.device, dtype: torch.dtype, dim_hea
     )
 
 
-AttentionKernel = Literal["sdpa", "varlen", "flagged"]
-
-
-def flagged_attention_supported(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
-    """Where "flagged" runs: a CUDA GPU with Triton, half precision, a power-of-two head width."""
-    return (
-        attention_kernel.available(device)
-        and dtype in (torch.float16, torch.bfloat16)
-        and attention_kernel.supported_head(dim_head)
-    )
-
-
-def _reference_inputs(
-    qkvs: list[Tensor], q_weights: list[Tensor], k_weights: list[Tensor], coss: list[Tensor], sins: list[Tensor],
-    key_flag: Tensor | None, heads: int, eps: float,
-) -> Tensor:
-    """:func:`attention_inputs` in torch operations: the same steps as ``Attention._project``."""
-    parts = []
-    for qkv, q_weight, k_weight, cos, sin in zip(qkvs, q_weights, k_weights, coss, sins):
-        q, k, v = qkv.unflatten(-1, (3, heads, -1)).unbind(2)  # [bc, m, h, dh] each
-        dh = q.shape[-1]
-        rope = Rope(positions=None, cos=cos, sin=sin)  # type: ignore[arg-type]
-        q, k = (apply_rope(F.rms_norm(x, (dh,), w, eps), rope) for x, w in ((q, q_weight), (k, k_weight)))
-        parts.append(torch.stack((q, k, v)))  # [3, bc, m, h, dh]
-    joint = torch.cat(parts, dim=2)  # [3, bc, seq, h, dh]
-    if key_flag is None:
-        return joint
-    extra = joint.new_zeros(*joint.shape[:-1], attention_kernel.FLAG_CHANNELS)
-    extra[0, ..., 0] = 1.0
-    extra[1, ..., 0] = key_flag[:, :, None]
-    return torch.cat((joint, extra), dim=-1)
-
-
-@torch.library.custom_op("auk::attention_inputs", mutates_args=())
-def attention_inputs(
-    qkvs: list[Tensor], q_weights: list[Tensor], k_weights: list[Tensor], coss: list[Tensor], sins: list[Tensor],
-    key_flag: Tensor | None, heads: int, eps: float,
-) -> Tensor:
-    """q, k, v [3, bc, seq, h, width] for the streams ``qkvs`` (each [bc, m_i, 3 * h * dh], concatenated in
-    order along the sequence): q and k RMS-normed with their weights and rotated by their stream's ``coss`` /
-    ``sins`` [bc, m_i, 1, dh]. With ``key_flag`` [bc, seq] the flag channels follow (width dh + FLAG_CHANNELS)."""
-    dh = q_weights[0].shape[0]
-    rows, seq = qkvs[0].shape[0], sum(qkv.shape[1] for qkv in qkvs)
-    width = dh + (0 if key_flag is None else attention_kernel.FLAG_CHANNELS)
-    out = qkvs[0].new_empty(3, rows, seq, heads, width)
-    offset = 0
-    for qkv, q_weight, k_weight, cos, sin in zip(qkvs, q_weights, k_weights, coss, sins):
-        attention_kernel.write_stream(out, offset, qkv, q_weight, k_weight, eps, cos, sin, key_flag)
-        offset += qkv.shape[1]
-    return out
-
-
-@attention_inputs.register_fake
-def _(qkvs, q_weights, k_weights, coss, sins, key_flag, heads, eps):  # noqa: ANN001, ANN202
-    width = q_weights[0].shape[0] + (0 if key_flag is None else attention_kernel.FLAG_CHANNELS)
-    return qkvs[0].new_empty(3, qkvs[0].shape[0], sum(qkv.shape[1] for qkv in qkvs), heads, width)
-
-
-attention_inputs.register_kernel("cpu")(_reference_inputs)  # the CPU (and its tests) run the torch form
-
-
-def flagged_attention(inputs: Tensor, dim_head: int) -> Tensor:
-    """Attention over :func:`attention_inputs` [3, bc, seq, h, width] -> [bc, seq, h * dim_head]: no mask (the
-    flag channel hides keys), the scale of the true head width."""
-    q, k, v = (part.transpose(1, 2) for part in inputs.unbind(0))  # [bc, h, seq, width] views
-    out = F.scaled_dot_product_attention(q, k, v, scale=dim_head**-0.5)
-    return out[..., :dim_head].transpose(1, 2).flatten(2)
-
-
 class Attention(nn.Module):
     """Self-attention with per-head RMSNorm (torch's default eps) on q and k, then rotary positions."""
 
@@ -463,20 +386,9 @@ class Attention(nn.Module):
         # q, k, v: [bc, m, h*dh] -> [bc, m, h, dh]
         return apply_rope(q_norm(q), rope), apply_rope(k_norm(k), rope), v
 
-    def _norm_eps(self, dtype: torch.dtype) -> float:
-        return torch.finfo(dtype).eps if self.q_norm.eps is None else self.q_norm.eps  # RMSNorm's default
-
     def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
-        if layout.flagged:
-            qkv, rope = self.to_qkv(x), layout.rope
-            inputs = attention_inputs(
-                [qkv], [self.q_norm.weight], [self.k_norm.weight], [rope.cos], [rope.sin], layout.key_flag,
-                self.heads, self._norm_eps(qkv.dtype),
-            )
-            out = flagged_attention(inputs, self.dim_head)
-        else:
-            q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope)
-            out = attend(q, k, v, layout.key_mask, layout.visible_keys)
+        q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope)
+        out = attend(q, k, v, layout.key_mask, layout.visible_keys)
         return _zero_rows(self.to_out[0](out), layout.keep)
 
 
@@ -491,19 +403,10 @@ class JointAttention(Attention):
         self.to_out_c = nn.Linear(heads * dim_head, dim)
 
     def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        if layout.flagged:
-            qkv, audio, text = self.to_qkv(x), layout.rope_audio, layout.rope_text
-            inputs = attention_inputs(
-                [qkv, self.to_qkv_c(c)], [self.q_norm.weight, self.c_q_norm.weight],
-                [self.k_norm.weight, self.c_k_norm.weight], [audio.cos, text.cos], [audio.sin, text.sin],
-                layout.key_flag, self.heads, self._norm_eps(qkv.dtype),
-            )
-            out = flagged_attention(inputs, self.dim_head)  # [bc, na + nt, h*dh]
-        else:
-            q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope_audio)
-            cq, ck, cv = self._project(self.to_qkv_c(c), self.c_q_norm, self.c_k_norm, layout.rope_text)
-            joint = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
-            out = attend(*joint, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
+        q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope_audio)
+        cq, ck, cv = self._project(self.to_qkv_c(c), self.c_q_norm, self.c_k_norm, layout.rope_text)
+        joint = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
+        out = attend(*joint, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
         audio_len = x.shape[1]
         x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
         c_out = _zero_rows(self.to_out_c(out[:, audio_len:]), layout.text_keep)
@@ -577,13 +480,6 @@ def _key_mask(visible: Tensor) -> Tensor | None:
     return None if mask is None else mask[:, None, None, :]  # [bc, m] -> [bc, 1, 1, m]
 
 
-def _key_flag(key_mask: Tensor | None, enabled: bool, dtype: torch.dtype) -> Tensor | None:
-    """``key_mask`` [bc, 1, 1, m] as the flags of "flagged" attention [bc, m] (None without a mask)."""
-    if key_mask is None or not enabled:
-        return None
-    return torch.where(key_mask[:, 0, 0, :], 0.0, attention_kernel.HIDDEN_KEY).to(dtype)
-
-
 def _visible_keys(key_mask: Tensor | None, enabled: bool) -> VisibleKeys | None:
     """``key_mask`` [bc, 1, 1, m] as :class:`VisibleKeys` when ``enabled`` (None without a mask)."""
     if key_mask is None or not enabled:
@@ -619,8 +515,8 @@ class AuKDiT(nn.Module):
         )
         self.norm_out = AdaLayerNormFinal(config.dim)
         self.proj_out = nn.Linear(config.dim, config.latent_dim)
-        # How attention runs (see the module docstring); None = the fastest this device and dtype support.
-        self.attention_kernel: AttentionKernel | None = None
+        # Masked attention runs through the variable-length kernel: None = wherever it is supported.
+        self.varlen_attention: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -701,8 +597,9 @@ class AuKDiT(nn.Module):
         single_present = torch.cat((text_valid, audio_present), dim=1)  # [bc, ns]
 
         rope = self.rotary_embed.tables
-        kernel = self.attention_kernel or self.default_attention_kernel()
-        varlen, flagged = kernel == "varlen", kernel == "flagged"
+        varlen = self.varlen_attention
+        if varlen is None:
+            varlen = varlen_attention_supported(device, dtype, config.dim_head)
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
@@ -710,8 +607,6 @@ class AuKDiT(nn.Module):
             rope_text=rope(_positions(text_valid)),
             key_mask=joint_mask,
             visible_keys=_visible_keys(joint_mask, varlen),
-            flagged=flagged,
-            key_flag=_key_flag(joint_mask, flagged, dtype),
             audio_keep=_keep(audio_valid),
             text_keep=_keep(text_valid),
         )
@@ -719,8 +614,6 @@ class AuKDiT(nn.Module):
             rope=rope(_positions(single_present)),
             key_mask=single_mask,
             visible_keys=_visible_keys(single_mask, varlen),
-            flagged=flagged,
-            key_flag=_key_flag(single_mask, flagged, dtype),
             keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
         )
         return DiTContext(
@@ -732,13 +625,6 @@ class AuKDiT(nn.Module):
             joint=joint,
             single=single,
         )
-
-    def default_attention_kernel(self) -> AttentionKernel:
-        """"flagged" where it runs, else "varlen" where that runs, else "sdpa" (as upstream)."""
-        device, dtype, dim_head = self.device, self.dtype, self.config.dim_head
-        if flagged_attention_supported(device, dtype, dim_head):
-            return "flagged"
-        return "varlen" if varlen_attention_supported(device, dtype, dim_head) else "sdpa"
 
     def _modulation_layers(self) -> list[nn.Module]:
         """Every adaLN layer in the order their rows are laid out in :meth:`modulation`."""
