@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref", type=int, default=0, help="reference frames in the DiT step (zero-shot)")
     parser.add_argument("--frames", type=int, default=150)
     parser.add_argument("--fp8", action="store_true", help="profile the DiT step with FP8 block linears as well")
+    parser.add_argument("--masked-attention", action="store_true",
+                        help="masked SDPA for padded sequences (no variable-length FlashAttention)")
     parser.add_argument("--batch", type=int, default=1, help="jobs in the DiT step (a bulk pass: 8)")
     parser.add_argument("--decode-frames", type=int, default=300)
     parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
@@ -152,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                 dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16)
             dit.eval().requires_grad_(False)
             compile_dit_blocks(dit)  # as the worker compiles them
+            dit.varlen_attention = False if args.masked_attention else None
             ctx, x = make_ctx(dit, args.batch, args.text, args.ref, args.frames, args.pad)
             velocity = guided_velocity(dit, ctx, 2.0)
             t = torch.tensor(0.5, device="cuda")
-            shape = f"{args.batch} job(s), text {args.text}, ref {args.ref}, frames {args.frames}"
+            shape = (f"{args.batch} job(s), text {args.text}, ref {args.ref}, frames {args.frames}, pad {args.pad}, "
+                     f"{'masked SDPA' if ctx.single.visible_keys is None else 'variable-length'} attention")
             profile(f"DiT CFG step, {shape}", lambda: velocity(x, t, 3), args.rows)
             if args.fp8:
                 use_fp8_block_linears(dit)
