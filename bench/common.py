@@ -36,16 +36,22 @@ def environment() -> dict:
     return info
 
 
-def commit() -> str:
+def commit(checkout: Path = Path(__file__).resolve().parent) -> str:
+    """``AUK_COMMIT`` when set, else the checkout's HEAD, marked ``-dirty`` when tracked files differ from it (a
+    copied working tree whose HEAD is an older commit says so instead of naming that commit)."""
     if os.environ.get("AUK_COMMIT"):
         return os.environ["AUK_COMMIT"]
+    git = lambda *args: subprocess.run(  # noqa: E731
+        ["git", *args], capture_output=True, text=True, cwd=checkout, timeout=30
+    )
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "unknown"
+        changed = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+    return head.stdout.strip() + ("-dirty" if changed else "")
 
 
 def median(values: list[float]) -> float:

@@ -57,3 +57,24 @@ def test_throughput_dtype_option_rewrites_only_stage_one_dtype(tmp_path):
     assert original.dit.dtype == "auto" and copy.dit.dtype == "float8"
     assert copy.encoder == original.encoder
     assert dataclasses.replace(copy.dit, dtype="auto") == original.dit
+
+
+def test_results_name_a_changed_checkout_dirty(tmp_path, monkeypatch):
+    """A result names the commit it measured: HEAD, or HEAD-dirty when tracked files differ from it."""
+    from bench.common import commit
+
+    monkeypatch.delenv("AUK_COMMIT", raising=False)
+    git = lambda *args: subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    assert commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert commit(tmp_path) == f"{head}-dirty"
+    monkeypatch.setenv("AUK_COMMIT", "abc1234")
+    assert commit(tmp_path) == "abc1234"
+    assert commit(tmp_path / "missing") == "abc1234"
+    monkeypatch.delenv("AUK_COMMIT")
+    assert commit(tmp_path.parent / "not-a-checkout-here") == "unknown"
