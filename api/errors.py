@@ -151,6 +151,13 @@ async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "too_large"}
     message = exc.detail if isinstance(exc.detail, str) else "request refused"
+    # FastAPI's own body parsing fails past json.loads' JSONDecodeError with a bare "error parsing the body";
+    # the cause it chains says what was wrong.
+    if isinstance(exc.__cause__, UnicodeDecodeError):
+        message = f"the request body is not valid JSON: not UTF-8 text (byte {exc.__cause__.start})"
+        return JSONResponse(_body("malformed_json", message), status_code=400)
+    if isinstance(exc.__cause__, RecursionError):
+        return JSONResponse(_body("malformed_json", "the request body is not valid JSON: nested too deeply"), 400)
     if exc.status_code == 404 and message == "Not Found":
         message = "no such endpoint"
     return JSONResponse(_body(codes.get(exc.status_code, "http_error"), message), status_code=exc.status_code,

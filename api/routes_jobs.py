@@ -77,8 +77,11 @@ class ClipResolver:
         try:
             head = self.svc.storage.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
-            if str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+            code = str(exc.response.get("Error", {}).get("Code"))
+            if code in ("404", "NoSuchKey", "NotFound"):
                 raise InputError(f"audio.key: no object {key!r} in the input bucket", code="audio_not_found") from None
+            if code in ("400", "InvalidArgument", "KeyTooLongError"):  # the key itself, not the storage
+                raise InputError(f"audio.key: the storage refuses the key {key!r} ({code})", code="invalid_key") from None
             raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
         except BotoCoreError as exc:
             raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from auk_worker.errors import InputError
 from auk_worker.types import HOP, MAX_TOTAL_SECONDS, SAMPLE_RATE, check_total_frames, frames_for_seconds
@@ -26,6 +26,21 @@ class AudioRef(BaseModel):
     upload_id: str | None = Field(default=None, min_length=1, max_length=128)
     key: str | None = Field(default=None, min_length=1, max_length=1024)
 
+    @field_validator("key")
+    @classmethod
+    def _plain_key(cls, key: str | None) -> str | None:
+        """An object key as S3 servers accept it: at most 1024 UTF-8 bytes, no control characters, no leading
+        ``/`` and no ``.`` or ``..`` segment (refused here by name rather than as the server's bare 400)."""
+        if key is None:
+            return key
+        if len(key.encode()) > 1024:
+            raise ValueError("an object key is at most 1024 bytes (UTF-8)")
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+            raise ValueError("an object key must not contain control characters")
+        if key.startswith("/") or any(part in (".", "..") for part in key.split("/")):
+            raise ValueError(f"{key!r} is not a plain object key (no leading '/', no '.' or '..' segments)")
+        return key
+
     @model_validator(mode="after")
     def _exactly_one(self) -> AudioRef:
         if (self.upload_id is None) == (self.key is None):
@@ -38,14 +53,15 @@ class JobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # Numbers are strict: "2" or true is refused rather than read as 2 or 1, and NaN and infinities by name.
     instruction: str = Field(min_length=1, max_length=4000)
     audio: AudioRef | None = None
-    gen_seconds: float | None = Field(default=None, gt=0, le=MAX_TOTAL_SECONDS)
+    gen_seconds: float | None = Field(default=None, gt=0, le=MAX_TOTAL_SECONDS, strict=True, allow_inf_nan=False)
     variant: Variant = "base"
-    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
-    guidance_scale: float | None = Field(default=None, ge=0, le=20)
-    sway: float | None = Field(default=None, ge=-1, le=0)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000, strict=True)
+    guidance_scale: float | None = Field(default=None, ge=0, le=20, strict=True, allow_inf_nan=False)
+    sway: float | None = Field(default=None, ge=-1, le=0, strict=True, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
     output_format: OutputFormat = "pcm16"
     custom_id: str | None = Field(default=None, max_length=256)
     priority: Priority = "interactive"

@@ -344,6 +344,8 @@ BAD_JOBS = [
     (b'{"instruction": "x", "gen_seconds": ', "application/json", 400, ["not valid JSON"]),
     (b'["instruction"]', "application/json", 400, ["JSON object"]),
     (b"", "application/json", 400, ["empty"]),
+    (b'{"instruction": "\xff"}', "application/json", 400, ["not valid JSON", "UTF-8", "byte 17"]),
+    (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, ["not valid JSON", "nested too deeply"]),
     ({"instruction": "x", "gen_seconds": 2, "temperature": 0.7}, None, 422, ["temperature", "unknown field"]),
     ({"gen_seconds": 2}, None, 422, ["instruction", "required"]),
     ({"instruction": "x"}, None, 422, ["gen_seconds is required"]),
@@ -351,6 +353,14 @@ BAD_JOBS = [
     ({"instruction": "x", "gen_seconds": 2, "variant": "turbo"}, None, 422, ["variant"]),
     ({"instruction": "x", "audio": {"upload_id": "a", "key": "b"}}, None, 422, ["exactly one"]),
     ({"instruction": "x", "audio": {"key": "no/such/clip.wav"}}, None, 422, ["no/such/clip.wav"]),
+    ({"instruction": "x", "audio": {"key": "../../clip.wav"}}, None, 422, ["not a plain object key"]),
+    ({"instruction": "x", "audio": {"key": "a\nb.wav"}}, None, 422, ["control characters"]),
+    # Numbers are strict: no strings or booleans read as numbers, NaN refused by name.
+    ({"instruction": "x", "gen_seconds": "2"}, None, 422, ["gen_seconds", "valid number"]),
+    ({"instruction": "x", "gen_seconds": True}, None, 422, ["gen_seconds", "valid number"]),
+    (b'{"instruction": "x", "gen_seconds": NaN}', "application/json", 422, ["gen_seconds", "finite"]),
+    ({"instruction": "x", "gen_seconds": 2, "num_inference_steps": "8"}, None, 422, ["num_inference_steps"]),
+    ({"instruction": "x", "gen_seconds": 2, "seed": False}, None, 422, ["seed"]),
 ]
 
 
@@ -477,3 +487,18 @@ def test_client_cli_submit_wait_fetch(service: Service, tmp_path: Path, monkeypa
     assert main_client("submit", ["--batch", str(bad)]) == 1
     assert "line 1: gen_seconds is required" in capsys.readouterr().err
     assert main_client("status", ["no-such-id"]) == 1
+
+
+def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
+    """A key the S3 server answers with 400 (here one with a '..' segment, sent past the schema that refuses it)
+    is a 422 naming the key, not a 503 that would invite retries."""
+    from api.app import build_services
+    from api.routes_jobs import ClipResolver
+    from auk_worker.errors import InputError
+    from auk_worker.service.schema import AudioRef, JobRequest
+
+    audio = AudioRef.model_construct(upload_id=None, key="clips/../x.wav")
+    request = JobRequest.model_construct(instruction="x", audio=audio, gen_seconds=None)
+    with pytest.raises(InputError, match="refuses the key 'clips/../x.wav'") as refused:
+        ClipResolver(build_services(settings), "owner").resolve(request)
+    assert refused.value.code == "invalid_key"
