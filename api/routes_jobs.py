@@ -134,15 +134,25 @@ def create_job(
         earlier = svc.store.redis.get(svc.store.idem_key(owner, idempotency_key))
         existing = svc.store.get(earlier) if earlier else None
         if existing is not None:
-            return JSONResponse(public(svc, existing), status_code=200)
+            return _repeated(svc, existing, body, idempotency_key)
     request = prepare(body, ClipResolver(svc, owner))
     record = JobRecord.new(owner, request, queue=queue_name(body.variant, body.priority), custom_id=body.custom_id)
     record, created = svc.store.create(record, idempotency_key=idempotency_key)
-    if not created:
-        return JSONResponse(public(svc, record), status_code=200)
+    if not created:  # another request with the same key got there first
+        return _repeated(svc, record, body, idempotency_key)
     send_render(svc, record)
     log.info("job %s: queued on %s for owner %s", record.id, record.queue, owner)
     return JSONResponse(public(svc, record), status_code=202)
+
+
+def _repeated(svc: Services, existing: JobRecord, body: JobRequest, idempotency_key: str | None) -> JSONResponse:
+    """The job an earlier request with this Idempotency-Key made (200), if this request is the same one; a
+    different request under a used key is refused, so that a caller never takes another job for its own."""
+    sent = body.model_dump(mode="json")
+    if any(existing.request.get(field) != value for field, value in sent.items()):
+        raise ApiError(422, "idempotency_key_reused", f"Idempotency-Key {idempotency_key!r} was used for job "
+                       f"{existing.id} with a different request; use a new key for a new job")
+    return JSONResponse(public(svc, existing), status_code=200)
 
 
 @router.get("/jobs/{job_id}", summary="Read one job")

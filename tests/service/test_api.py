@@ -299,6 +299,11 @@ def test_idempotency_key_makes_one_job_and_other_keys_see_nothing(service: Servi
         second = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "nightly-42"})
         assert first.status_code == 202 and second.status_code == 200
         assert first.json()["id"] == second.json()["id"]
+        # The same key with a different request is refused by name, not answered with the first job.
+        changed = http.post("/v1/jobs", json={**body, "instruction": "Something else."},
+                            headers={"Idempotency-Key": "nightly-42"})  # fmt: skip
+        assert changed.status_code == 422 and error_of(changed)["code"] == "idempotency_key_reused"
+        assert first.json()["id"] in error_of(changed)["message"]
         assert service.redis.zcard(owner_jobs) == before + 1
         job_id = first.json()["id"]
         # The same idempotency key under another API key is another job.
