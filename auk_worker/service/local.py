@@ -37,18 +37,22 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
+GRPC_OFFSET = 10000  # a SeaweedFS server listens for gRPC on its port + 10000
 
 
-def free_port(also_free_offset: int | None = None) -> int:
-    """A free loopback port (and, when asked, port + offset free too, for SeaweedFS's gRPC convention)."""
+def free_port(also_free_offset: int | None = None, taken: frozenset[int] = frozenset()) -> int:
+    """A free loopback port (and, when asked, port + offset free too, for SeaweedFS's gRPC convention); neither
+    may be in ``taken``, the ports already handed out for the same start (they are not bound yet)."""
     for _ in range(200):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
+        if port in taken:
+            continue
         if also_free_offset is None:
             return port
         other = port + also_free_offset
-        if other < 65536 and port_free(other):
+        if other < 65536 and other not in taken and port_free(other):
             return port
     raise RuntimeError("no free loopback port found")
 
@@ -202,8 +206,11 @@ class S3Server:
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         if not self.ports:  # keep the same ports across a restart, so running clients reconnect
+            taken: set[int] = set()  # each server also listens on its port + 10000 (gRPC)
             for name in ("master", "volume", "filer", "s3"):
-                self.ports[name] = free_port(also_free_offset=10000)
+                port = free_port(also_free_offset=GRPC_OFFSET, taken=frozenset(taken))
+                self.ports[name] = port
+                taken |= {port, port + GRPC_OFFSET}
         identities = self.workdir / "s3.json"
         identities.write_text(json.dumps({"identities": [{
             "name": "auk",
