@@ -24,6 +24,7 @@ from auk_worker.errors import InfraError, InputError
 from auk_worker.service.celery_app import RENDER_TASK, queue_name
 from auk_worker.service.jobs import JobRecord, JobStatus
 from auk_worker.service.schema import JobRequest, check_total_length
+from auk_worker.service.storage import error_code
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class ClipResolver:
         try:
             head = self.svc.storage.client.head_object(Bucket=bucket, Key=key)
         except ClientError as exc:
-            code = str(exc.response.get("Error", {}).get("Code"))
+            code = error_code(exc)
             if code in ("404", "NoSuchKey", "NotFound"):
                 raise InputError(f"audio.key: no object {key!r} in the input bucket", code="audio_not_found") from None
             if code in ("400", "InvalidArgument", "KeyTooLongError"):  # the key itself, not the storage

@@ -43,7 +43,8 @@ def manifest_key(prefix: str, batch_id: str) -> str:
     return f"{_norm_prefix(prefix)}jobs/batch-{batch_id}.manifest.jsonl"
 
 
-def _error_code(exc: ClientError) -> str:
+def error_code(exc: ClientError) -> str:
+    """The S3 error code of a botocore ClientError ("404", "NoSuchKey", ...), empty when it has none."""
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
@@ -78,7 +79,7 @@ class Storage:
         try:
             return fn(**kwargs)
         except ClientError as exc:
-            raise InfraError(f"storage {what} failed: {_error_code(exc)}: {exc}") from exc
+            raise InfraError(f"storage {what} failed: {error_code(exc)}: {exc}") from exc
         except BotoCoreError as exc:
             raise InfraError(f"storage {what} failed: {exc}") from exc
 
@@ -89,7 +90,7 @@ class Storage:
                 self.client.head_bucket(Bucket=bucket)
                 continue
             except ClientError as exc:
-                if _error_code(exc) not in _MISSING_CODES:
+                if error_code(exc) not in _MISSING_CODES:
                     raise InfraError(f"storage head_bucket {bucket} failed: {exc}") from exc
             except BotoCoreError as exc:
                 raise InfraError(f"storage head_bucket {bucket} failed: {exc}") from exc
@@ -97,7 +98,7 @@ class Storage:
                 self.client.create_bucket(Bucket=bucket)
                 log.info("bucket %s: created", bucket)
             except ClientError as exc:
-                if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                if error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise InfraError(f"storage create_bucket {bucket} failed: {exc}") from exc
             except BotoCoreError as exc:
                 raise InfraError(f"storage create_bucket {bucket} failed: {exc}") from exc
@@ -122,9 +123,9 @@ class Storage:
             response = self.client.get_object(Bucket=bucket, Key=key)
             return response["Body"].read()
         except ClientError as exc:
-            if _error_code(exc) in _MISSING_CODES:
+            if error_code(exc) in _MISSING_CODES:
                 raise InputError(f"no object {key!r} in bucket {bucket!r}", code="audio_not_found") from exc
-            raise InfraError(f"storage get {bucket}/{key} failed: {_error_code(exc)}: {exc}") from exc
+            raise InfraError(f"storage get {bucket}/{key} failed: {error_code(exc)}: {exc}") from exc
         except BotoCoreError as exc:
             raise InfraError(f"storage get {bucket}/{key} failed: {exc}") from exc
 
@@ -133,9 +134,9 @@ class Storage:
         try:
             return self.client.head_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
-            if _error_code(exc) in _MISSING_CODES:
+            if error_code(exc) in _MISSING_CODES:
                 return None
-            raise InfraError(f"storage head {key} failed: {_error_code(exc)}: {exc}") from exc
+            raise InfraError(f"storage head {key} failed: {error_code(exc)}: {exc}") from exc
         except BotoCoreError as exc:
             raise InfraError(f"storage head {key} failed: {exc}") from exc
 
