@@ -153,11 +153,10 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request refused"
     # FastAPI's own body parsing fails past json.loads' JSONDecodeError with a bare "error parsing the body";
     # the cause it chains says what was wrong.
-    if isinstance(exc.__cause__, UnicodeDecodeError):
-        message = f"the request body is not valid JSON: not UTF-8 text (byte {exc.__cause__.start})"
-        return JSONResponse(_body("malformed_json", message), status_code=400)
-    if isinstance(exc.__cause__, RecursionError):
-        return JSONResponse(_body("malformed_json", "the request body is not valid JSON: nested too deeply"), 400)
+    cause = exc.__cause__
+    if isinstance(cause, (UnicodeDecodeError, RecursionError)):
+        reason = f"not UTF-8 text (byte {cause.start})" if isinstance(cause, UnicodeDecodeError) else "nested too deeply"
+        return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
     if exc.status_code == 404 and message == "Not Found":
         message = "no such endpoint"
     return JSONResponse(_body(codes.get(exc.status_code, "http_error"), message), status_code=exc.status_code,

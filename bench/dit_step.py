@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for setting in args.inductor:
         key, value = setting.split("=", 1)
-        torch._inductor.config.__setattr__(key, ast.literal_eval(value))
+        setattr(torch._inductor.config, key, ast.literal_eval(value))
     torch.manual_seed(0)
     with torch.device("cuda"):
         dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16).eval().requires_grad_(False)
