@@ -8,11 +8,12 @@ that write and re-read the 2x-rate signal, at about a sixth of the H200's memory
     s(m) = u + sin^2(alpha * u) / (beta + eps),  u = up(m)               the snake at oversampled sample m
     up(2j + p) = 2 * sum_r up_taps[2r + 1 - p] * x[clamp(j + 2 + p - r, 0, t - 1)]     r = 0 ... 5 (phase p)
 
-The clamps are the two replicate paddings. Inside the signal, the oversampled sample a tap reads has a phase and
-offset fixed by the tap alone, so the twelve ``s`` values are twelve shifted vectors computed from shifted loads of
-``x``; where the decimator's window runs off an end, the clamp gives the first or last oversampled sample, two
-scalars per row. Each oversampled sample is recomputed by the six outputs that read it: about 12 sines per
-output, against 2 in the three-kernel form, for one read of ``x`` and one write of ``y``.
+The clamps are the two replicate paddings. A block of outputs i0 ... i0 + BLOCK - 1 reads the oversampled samples
+of BLOCK + 6 input positions j (both phases). The program computes each of them once, from shifted loads of ``x``,
+parks them in a scratch row of its own (global memory, so it stays in the L1/L2 caches), and after a barrier reads
+the twelve shifted windows the decimator's taps need: two sines per output. (The first form of this kernel
+recomputed each oversampled sample for the six outputs that read it, about 12 sines per output.) Where the
+decimator's window runs off an end, the clamp gives the first or last oversampled sample, two scalars per row.
 
 Same taps, same order of the upsampler's sums; the decimator's sum runs in tap order. fp32 arithmetic whatever
 the input's dtype, with libdevice's sine on the GPU. Triton also runs it on the CPU under ``TRITON_INTERPRET=1``.
@@ -33,6 +34,7 @@ except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
 BLOCK = 256  # outputs per program
+HALO = 8  # scratch slots past a block's own: its decimator windows reach 6 input positions further
 
 
 def available(device: torch.device) -> bool:
@@ -61,13 +63,23 @@ if triton is not None:
         return tl.load(ptr + tl.minimum(tl.maximum(index, 0), last)).to(tl.float32)
 
     @triton.jit
+    def _oversampled(x_row, j, last, up_ptr, alpha, inv_beta, PHASE: tl.constexpr):
+        """s(2j + PHASE) for a vector of input positions j (clamped into the row)."""
+        u = tl.zeros(j.shape, dtype=tl.float32)
+        for r in tl.static_range(6):
+            u += tl.load(up_ptr + 2 * r + 1 - PHASE).to(tl.float32) * _clamped(x_row, j + 2 + PHASE - r, last)
+        return _snake(2.0 * u, alpha, inv_beta)
+
+    @triton.jit
     def _alias_free_kernel(
-        x_ptr, y_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, t, channels,
-        LEFT: tl.constexpr, LOGSCALE: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, y_ptr, scratch_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, t, channels,
+        LEFT: tl.constexpr, LOW: tl.constexpr, LOGSCALE: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr,
+        HALO: tl.constexpr,
     ):
         row = tl.program_id(1)  # b * channels + c
         channel = row % channels
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # output samples
+        first = tl.program_id(0) * BLOCK  # this block's first output sample
+        i = first + tl.arange(0, BLOCK)  # output samples
         x_row = x_ptr + row.to(tl.int64) * t
         alpha = tl.load(alpha_ptr + channel).to(tl.float32)
         beta = tl.load(beta_ptr + channel).to(tl.float32)
@@ -76,26 +88,28 @@ if triton is not None:
             beta = tl.exp(beta)
         inv_beta = 1.0 / (beta + EPS)
         last = t - 1
-        # The oversampled signal's first sample (phase 0, j = 0) and last (phase 1, j = t - 1): what the
-        # decimator's replicate padding repeats past the ends.
-        u_first = 0.0
-        u_last = 0.0
-        for r in tl.static_range(6):
-            u_first += tl.load(up_ptr + 2 * r + 1).to(tl.float32) * _clamped(x_row, 2 - r, last)
-            u_last += tl.load(up_ptr + 2 * r).to(tl.float32) * _clamped(x_row, last + 3 - r, last)
-        s_first = _snake(2.0 * u_first, alpha, inv_beta)
-        s_last = _snake(2.0 * u_last, alpha, inv_beta)
+        # What the decimator's replicate padding repeats past the ends: the oversampled signal's first sample
+        # (phase 0 at j = 0) and last (phase 1 at j = t - 1).
+        s_first = tl.sum(_oversampled(x_row, tl.zeros((1,), dtype=tl.int32), last, up_ptr, alpha, inv_beta, 0))
+        s_last = tl.sum(_oversampled(x_row, tl.full((1,), 0, tl.int32) + last, last, up_ptr, alpha, inv_beta, 1))
+
+        # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p, with phase p = (k + LEFT) % 2 and
+        # d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), so d runs over LOW ... LOW + 5: the block reads input
+        # positions j = first + LOW ... first + BLOCK - 1 + LOW + 5, held as BLOCK + HALO scratch slots per phase.
+        scratch = scratch_ptr + (row.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (2 * (BLOCK + HALO))
+        body = tl.arange(0, BLOCK)
+        halo = BLOCK + tl.arange(0, HALO)
+        for p in tl.static_range(2):
+            slots = scratch + p * (BLOCK + HALO)
+            tl.store(slots + body, _oversampled(x_row, first + LOW + body, last, up_ptr, alpha, inv_beta, p))
+            tl.store(slots + halo, _oversampled(x_row, first + LOW + halo, last, up_ptr, alpha, inv_beta, p))
+        tl.debug_barrier()  # every thread's slots are written before any thread reads its neighbours'
 
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(12):
-            # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p, with phase p = (k + LEFT) % 2
-            # and d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), both fixed at compile time.
-            u = tl.zeros((BLOCK,), dtype=tl.float32)
-            for r in tl.static_range(6):
-                tap = tl.load(up_ptr + 2 * r + 1 - (k + LEFT) % 2).to(tl.float32)
-                shift = (k + 12 - LEFT) // 2 - 6 + 2 + (k + LEFT) % 2 - r
-                u += tap * _clamped(x_row, i + shift, last)
-            s = _snake(2.0 * u, alpha, inv_beta)
+            p = (k + LEFT) % 2
+            d = (k + 12 - LEFT) // 2 - 6
+            s = tl.load(scratch + p * (BLOCK + HALO) + (d - LOW) + body)
             m = 2 * i + (k - LEFT)
             s = tl.where(m < 0, s_first, tl.where(m > 2 * last + 1, s_last, s))
             acc += tl.load(down_ptr + k).to(tl.float32) * s
@@ -114,18 +128,21 @@ def fused_activation(
     """``alias_free.polyphase_activation`` as one kernel launch (same signature, a ``PolyphaseFn``)."""
     if triton is None:
         raise RuntimeError("the fused alias-free kernel needs Triton")
-    if RATIO != 2 or TAPS != 12 or sum(down_pad) != TAPS - 1:
-        raise ValueError(f"the kernel is written for 2x, 12 taps and a full decimator pad, got pad {down_pad}")
+    if RATIO != 2 or TAPS != 12 or sum(down_pad) != TAPS - 1 or down_pad[0] % 2 == 0:
+        raise ValueError(f"the kernel is written for 2x, 12 taps and a full decimator pad, odd on the left; "
+                         f"got pad {down_pad}")
     x = x.contiguous()
     b, c, t = x.shape
+    left = down_pad[0]
     y = torch.empty_like(x)
     if y.numel() == 0:
         return y
     grid = (triton.cdiv(t, BLOCK), b * c)
+    scratch = torch.empty(grid[0] * grid[1] * 2 * (BLOCK + HALO), device=x.device, dtype=torch.float32)
     _alias_free_kernel[grid](
-        x, y, alpha.contiguous(), beta.contiguous(), up_taps.reshape(-1).contiguous(),
+        x, y, scratch, alpha.contiguous(), beta.contiguous(), up_taps.reshape(-1).contiguous(),
         down_taps.reshape(-1).contiguous(), t, c,
-        LEFT=down_pad[0], LOGSCALE=bool(logscale), EPS=SNAKE_EPS, BLOCK=BLOCK,
+        LEFT=left, LOW=(12 - left) // 2 - 6, LOGSCALE=bool(logscale), EPS=SNAKE_EPS, BLOCK=BLOCK, HALO=HALO,
     )
     return y
 
