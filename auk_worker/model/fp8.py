@@ -17,12 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448; casting saturates there
-ROW_MULTIPLE = 16  # the FP8 GEMM wants both dimensions of each operand in multiples of 16
+WIDTH_MULTIPLE = 16  # the FP8 GEMM wants the inner and output widths in multiples of 16 (any number of rows)
 
 
 class Fp8Linear(nn.Module):
@@ -33,8 +32,8 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if linear.in_features % ROW_MULTIPLE or linear.out_features % ROW_MULTIPLE:
-            raise ValueError(f"FP8 linears need widths in multiples of {ROW_MULTIPLE}, got {linear.weight.shape}")
+        if linear.in_features % WIDTH_MULTIPLE or linear.out_features % WIDTH_MULTIPLE:
+            raise ValueError(f"FP8 linears need widths in multiples of {WIDTH_MULTIPLE}, got {linear.weight.shape}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         scale = weight.abs().amax().clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
@@ -45,10 +44,6 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)  # [m, in]
-        m = rows.shape[0]
-        pad = -m % ROW_MULTIPLE
-        if pad:
-            rows = F.pad(rows, (0, 0, 0, pad))
         out = torch._scaled_mm(
             rows.to(E4M3),
             self.weight.t(),  # column-major [in, out], as the kernel wants its second operand
@@ -57,7 +52,7 @@ class Fp8Linear(nn.Module):
             bias=None if self.bias is None else self.bias.to(x.dtype),
             out_dtype=x.dtype,
         )
-        return out[:m].reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
