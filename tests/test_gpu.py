@@ -135,6 +135,46 @@ def test_variable_length_attention_matches_masked_attention(pipe):
                 velocity[False][row, :valid], 2e-2)  # fmt: skip
 
 
+def test_qk_kernel_matches_the_torch_norms_and_rotary(pipe):
+    """The q/k kernel against the torch form that inductor fuses, alone at release widths (against an fp32
+    reference) and in the release-size DiT's compiled blocks (a padded CFG batch, bf16)."""
+    from auk_worker.model.qk_kernel import norm_rope, norm_rope_reference
+
+    dit = pipe.dit
+    generator = torch.Generator("cuda").manual_seed(4)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
+    eps = torch.finfo(torch.float32).eps
+    block = dit.transformer_blocks[0].attn
+    streams = []
+    for m, rope_positions in ((550, torch.arange(550)), (217, torch.arange(217))):
+        rope = dit.rotary_embed.tables(rope_positions.cuda().expand(2, m))
+        streams.append((rand(2, m, 3 * 1536).to(torch.bfloat16), block.q_norm.weight, block.k_norm.weight,
+                        rope.cos, rope.sin))
+    with torch.inference_mode():
+        fast = norm_rope(streams, 24, eps)
+        reference = norm_rope_reference([(s[0].float(), *s[1:]) for s in streams], 24, eps)
+    for name, out, ref in zip("qk", fast, reference):
+        compare(f"q/k kernel, {name} against fp32", out, ref, 4e-3)  # bf16 output rounding
+
+    text_lens, ref_lens, target_lens = (torch.tensor(v, device="cuda") for v in ([217, 190], [250, 175], [300, 280]))
+    x, t = rand(2, 300, 64), torch.tensor(0.4, device="cuda")
+    args = (rand(2, 224, 2048), text_lens, rand(2, 250, 64), ref_lens, ref_lens - 1, 300, target_lens)
+    velocity = {}
+    with torch.inference_mode():
+        for fused in (True, False):
+            dit.fused_qk = fused
+            try:
+                ctx = dit.prepare(*args, cfg=True)
+                assert ctx.single.fused_qk == fused
+                velocity[fused] = dit(x, t, ctx)
+            finally:
+                dit.fused_qk = None
+    for row in range(4):
+        valid = int(target_lens[row % 2])
+        compare(f"velocity row {row}, q/k kernel vs torch q/k", velocity[True][row, :valid],
+                velocity[False][row, :valid], 2e-2)  # fmt: skip
+
+
 def test_fp8_block_linears_at_release_size():
     """The opt-in fp8 precision on a release-size DiT (random weights): how far E4M3 block linears move the
     velocity from bf16, and the compiled graph path against eager with them."""

@@ -16,6 +16,8 @@ Precision: works with fp32 weights (exact) or bf16 weights without autocast. The
 Attention: where a context hides keys (batch or bucket padding, a masked reference frame), a GPU in half
 precision runs FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built
 once in ``prepare``); elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
+There too, q and k go from the qkv projection to normed, rotated heads in one kernel (``qk_kernel``), the
+double blocks' two streams straight into the joint sequence.
 
 Shapes:
     b    requests (rows of the ODE state)
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
+from auk_worker.model import qk_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +139,7 @@ class JointLayout:
     visible_keys: VisibleKeys | None  # the same mask for the variable-length kernel; None = use key_mask
     audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
     text_keep: Tensor | None  # [bc, nt, 1]
+    fused_qk: bool = False  # q/k norms and rotary through the kernel (qk_norm_rope)
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class SingleLayout:
     key_mask: Tensor | None  # [bc, 1, 1, ns]
     visible_keys: VisibleKeys | None
     keep: Tensor | None  # [bc, ns, 1]
+    fused_qk: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,6 +361,7 @@ def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, coun
 
 
 varlen_attention = flash_varlen_attention  # the kernel `attend` calls; CPU tests swap in a reference
+qk_norm_rope = qk_kernel.norm_rope  # the q/k kernel of layouts with fused_qk; CPU tests swap in a reference
 
 
 def varlen_attention_supported(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
@@ -386,8 +392,25 @@ class Attention(nn.Module):
         # q, k, v: [bc, m, h*dh] -> [bc, m, h, dh]
         return apply_rope(q_norm(q), rope), apply_rope(k_norm(k), rope), v
 
+    def _values(self, qkv: Tensor) -> Tensor:  # [bc, m, 3*h*dh] -> v [bc, m, h, dh]
+        return qkv[..., 2 * self.heads * self.dim_head :].unflatten(-1, (self.heads, self.dim_head))
+
+    def _fused_qk(self, streams: list[tuple[Tensor, nn.RMSNorm, nn.RMSNorm, Rope]]) -> tuple[Tensor, Tensor]:
+        """``_project``'s q and k of each (qkv, q_norm, k_norm, rope) stream through the kernel, joined along the
+        sequence: [bc, sum m, h, dh] each."""
+        eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(torch.float32).eps  # torch's default
+        return qk_norm_rope(
+            [(qkv, q_norm.weight, k_norm.weight, rope.cos, rope.sin) for qkv, q_norm, k_norm, rope in streams],
+            self.heads, eps,
+        )
+
     def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
-        q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope)
+        qkv = self.to_qkv(x)
+        if layout.fused_qk:
+            q, k = self._fused_qk([(qkv, self.q_norm, self.k_norm, layout.rope)])
+            v = self._values(qkv)
+        else:
+            q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope)
         out = attend(q, k, v, layout.key_mask, layout.visible_keys)
         return _zero_rows(self.to_out[0](out), layout.keep)
 
@@ -403,10 +426,17 @@ class JointAttention(Attention):
         self.to_out_c = nn.Linear(heads * dim_head, dim)
 
     def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        q, k, v = self._project(self.to_qkv(x), self.q_norm, self.k_norm, layout.rope_audio)
-        cq, ck, cv = self._project(self.to_qkv_c(c), self.c_q_norm, self.c_k_norm, layout.rope_text)
-        joint = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
-        out = attend(*joint, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
+        qkv, qkv_c = self.to_qkv(x), self.to_qkv_c(c)
+        if layout.fused_qk:  # written straight into the joint sequence
+            q, k = self._fused_qk(
+                [(qkv, self.q_norm, self.k_norm, layout.rope_audio), (qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)]
+            )
+            v = torch.cat((self._values(qkv), self._values(qkv_c)), dim=1)
+        else:
+            q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope_audio)
+            cq, ck, cv = self._project(qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)
+            q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
+        out = attend(q, k, v, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
         audio_len = x.shape[1]
         x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
         c_out = _zero_rows(self.to_out_c(out[:, audio_len:]), layout.text_keep)
@@ -515,8 +545,10 @@ class AuKDiT(nn.Module):
         )
         self.norm_out = AdaLayerNormFinal(config.dim)
         self.proj_out = nn.Linear(config.dim, config.latent_dim)
-        # Masked attention runs through the variable-length kernel: None = wherever it is supported.
+        # Masked attention runs through the variable-length kernel, and q/k norms and rotary through their
+        # kernel: None = wherever each is supported.
         self.varlen_attention: bool | None = None
+        self.fused_qk: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -600,6 +632,9 @@ class AuKDiT(nn.Module):
         varlen = self.varlen_attention
         if varlen is None:
             varlen = varlen_attention_supported(device, dtype, config.dim_head)
+        fused_qk = self.fused_qk
+        if fused_qk is None:
+            fused_qk = qk_kernel.available(device, dtype, config.dim_head)
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
@@ -609,12 +644,14 @@ class AuKDiT(nn.Module):
             visible_keys=_visible_keys(joint_mask, varlen),
             audio_keep=_keep(audio_valid),
             text_keep=_keep(text_valid),
+            fused_qk=fused_qk,
         )
         single = SingleLayout(
             rope=rope(_positions(single_present)),
             key_mask=single_mask,
             visible_keys=_visible_keys(single_mask, varlen),
             keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
+            fused_qk=fused_qk,
         )
         return DiTContext(
             cfg=cfg,
