@@ -12,7 +12,7 @@ from torch import nn
 from auk_worker.errors import CheckpointError, InputError
 from auk_worker.model import dit as dit_module
 from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
-from auk_worker.model.qk_kernel import norm_rope_reference
+from auk_worker.model.qk_kernel import attention_inputs_reference
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -327,24 +327,31 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
 
 
 @pytest.mark.parametrize("cfg", [False, True])
-def test_fused_qk_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
-    """The GPU's q/k form (one call per attention from the qkv projection to normed, rotated heads, the double
-    blocks' streams joined by the call), run here with the kernel's torch reference: the same velocity."""
+def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
+    """The GPU's form of the attention inputs (one call per attention from the qkv projection to q, k, v, the
+    double blocks' streams joined by the call, k and v in the variable-length kernel's key order), run here with
+    the kernels' torch references: the same velocity as the module path, with masked or variable-length
+    attention."""
     calls = []
-    monkeypatch.setattr(dit_module, "qk_norm_rope", lambda *a: calls.append(len(a[0])) or norm_rope_reference(*a))
+    monkeypatch.setattr(dit_module, "attention_inputs",
+                        lambda *a: calls.append(len(a[0])) or attention_inputs_reference(*a))  # fmt: skip
+    monkeypatch.setattr(dit_module, "varlen_attention", reference_varlen_attention)
     model = make_model(seed=3)
     nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
     text, ref, x = 50 * rand(2, nt, 32, seed=33), 50 * rand(2, np_, 64, seed=34), 50 * rand(2, n, 64, seed=35)
     lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
     outputs = {}
     with torch.no_grad():
-        for fused in (False, True):
-            model.fused_qk = fused
+        for fused, varlen in ((False, False), (True, False), (True, True)):
+            model.fused_qk, model.varlen_attention = fused, varlen
             ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
             assert ctx.joint.fused_qk == ctx.single.fused_qk == fused
-            outputs[fused] = model(x, torch.tensor([r["t"] for r in ROWS]), ctx)
-    assert calls == [2] * TINY.num_layers + [1] * TINY.num_single_layers  # joint blocks pass both streams
-    torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=1e-5)
+            outputs[fused, varlen] = model(x, torch.tensor([r["t"] for r in ROWS]), ctx)
+    assert calls == 2 * ([2] * TINY.num_layers + [1] * TINY.num_single_layers)  # joint blocks pass both streams
+    torch.testing.assert_close(outputs[True, False], outputs[False, False], rtol=0, atol=1e-5)
+    for i, r in enumerate(ROWS):  # the valid frames of each row (padded frames carry garbage either way)
+        torch.testing.assert_close(outputs[True, True][i :: 2, : r["n"]], outputs[False, False][i :: 2, : r["n"]],
+                                   rtol=0, atol=1e-5)  # fmt: skip
     model.fused_qk = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
         assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.fused_qk
@@ -359,6 +366,7 @@ def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -
     keys, visible = ctx.single.visible_keys, ctx.single.key_mask[:, 0, 0]  # [text 3 | ref 4 | target 2]
     assert keys.count.tolist() == [3 + 3 + 2, 2 + 2 + 1]
     assert keys.order[1].tolist() == [0, 1, 3, 4, 7, 2, 5, 6, 8]  # visible in sequence order, then the hidden
+    assert keys.slot[1].tolist() == [0, 1, 5, 2, 3, 6, 7, 4, 8]  # each key's place in that order
     for row in range(2):
         shown = keys.order[row, : keys.count[row]]
         assert visible[row, shown].all() and not visible[row, keys.order[row, keys.count[row] :]].any()

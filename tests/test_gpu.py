@@ -135,10 +135,11 @@ def test_variable_length_attention_matches_masked_attention(pipe):
                 velocity[False][row, :valid], 2e-2)  # fmt: skip
 
 
-def test_qk_kernel_matches_the_torch_norms_and_rotary(pipe):
-    """The q/k kernel against the torch form that inductor fuses, alone at release widths (against an fp32
-    reference) and in the release-size DiT's compiled blocks (a padded CFG batch, bf16)."""
-    from auk_worker.model.qk_kernel import norm_rope, norm_rope_reference
+def test_attention_inputs_kernel_matches_the_torch_form(pipe):
+    """The attention-inputs kernel against the torch form that inductor fuses, alone at release widths (against
+    an fp32 reference, keys in order and in a shuffled order) and in the release-size DiT's compiled blocks (a
+    padded CFG batch, bf16, variable-length attention)."""
+    from auk_worker.model.qk_kernel import attention_inputs, attention_inputs_reference
 
     dit = pipe.dit
     generator = torch.Generator("cuda").manual_seed(4)
@@ -150,11 +151,15 @@ def test_qk_kernel_matches_the_torch_norms_and_rotary(pipe):
         rope = dit.rotary_embed.tables(rope_positions.cuda().expand(2, m))
         streams.append((rand(2, m, 3 * 1536).to(torch.bfloat16), block.q_norm.weight, block.k_norm.weight,
                         rope.cos, rope.sin))
-    with torch.inference_mode():
-        fast = norm_rope(streams, 24, eps)
-        reference = norm_rope_reference([(s[0].float(), *s[1:]) for s in streams], 24, eps)
-    for name, out, ref in zip("qk", fast, reference):
-        compare(f"q/k kernel, {name} against fp32", out, ref, 4e-3)  # bf16 output rounding
+    shuffled = torch.stack([torch.randperm(767, device="cuda", generator=generator) for _ in range(2)]).int()
+    for slot in (None, shuffled):
+        with torch.inference_mode():
+            fast = attention_inputs(streams, 24, eps, slot)
+            reference = attention_inputs_reference([(s[0].float(), *s[1:]) for s in streams], 24, eps, slot)
+        order = "in order" if slot is None else "shuffled"
+        for name, out, ref in zip("qk", fast, reference):
+            compare(f"attention-inputs kernel, {name} ({order}) against fp32", out, ref, 4e-3)  # bf16 rounding
+        assert torch.equal(fast[2].float(), reference[2])  # v is copied
 
     text_lens, ref_lens, target_lens = (torch.tensor(v, device="cuda") for v in ([217, 190], [250, 175], [300, 280]))
     x, t = rand(2, 300, 64), torch.tensor(0.4, device="cuda")
@@ -171,7 +176,7 @@ def test_qk_kernel_matches_the_torch_norms_and_rotary(pipe):
                 dit.fused_qk = None
     for row in range(4):
         valid = int(target_lens[row % 2])
-        compare(f"velocity row {row}, q/k kernel vs torch q/k", velocity[True][row, :valid],
+        compare(f"velocity row {row}, attention-inputs kernel vs torch form", velocity[True][row, :valid],
                 velocity[False][row, :valid], 2e-2)  # fmt: skip
 
 

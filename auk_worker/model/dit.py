@@ -16,8 +16,9 @@ Precision: works with fp32 weights (exact) or bf16 weights without autocast. The
 Attention: where a context hides keys (batch or bucket padding, a masked reference frame), a GPU in half
 precision runs FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built
 once in ``prepare``); elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
-There too, q and k go from the qkv projection to normed, rotated heads in one kernel (``qk_kernel``), the
-double blocks' two streams straight into the joint sequence.
+There too, q, k and v go from the qkv projection to the attention's input in one kernel (``qk_kernel``: q and k
+normed and rotated, the double blocks' two streams straight into the joint sequence, k and v straight into the
+visible-first order).
 
 Shapes:
     b    requests (rows of the ODE state)
@@ -125,6 +126,7 @@ class VisibleKeys:
     row, so hidden keys cost nothing, and the counts live on the device, so one captured shape serves them all."""
 
     order: Tensor  # [bc, m] long: key positions, the visible ones first, each group in sequence order
+    slot: Tensor  # [bc, m] int32: each key's place in that order (order's inverse)
     count: Tensor  # [bc] int32
     starts: Tensor  # [bc + 1] int32: where each row begins in the rows' packed sequence, row * m
 
@@ -139,7 +141,7 @@ class JointLayout:
     visible_keys: VisibleKeys | None  # the same mask for the variable-length kernel; None = use key_mask
     audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
     text_keep: Tensor | None  # [bc, nt, 1]
-    fused_qk: bool = False  # q/k norms and rotary through the kernel (qk_norm_rope)
+    fused_qk: bool = False  # q, k, v through the attention-inputs kernel (attention_inputs)
 
 
 @dataclass(frozen=True)
@@ -338,17 +340,21 @@ class FeedForward(nn.Module):
         return self.linear_out(F.silu(gate) * up)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_keys: VisibleKeys | None) -> Tensor:
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_keys: VisibleKeys | None,
+    keys_in_order: bool = False,
+) -> Tensor:
     """Attention of q, k, v [bc, m, h, dh] over the keys ``key_mask`` [bc, 1, 1, m] lets through (None = all);
     returns [bc, m, h*dh]. With ``visible_keys`` (the same mask, reordered) the variable-length kernel runs
     instead of a masked one: the same sum over the same keys, on the [bc * m, h, dh] layout the projections
-    already have (no transposes)."""
+    already have (no transposes). ``keys_in_order``: k and v already come in ``visible_keys``' order."""
     if visible_keys is None:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, h, m, dh] views
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
     bc, m, h, dh = q.shape
-    order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
-    k, v = k.gather(1, order), v.gather(1, order)
+    if not keys_in_order:
+        order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
+        k, v = k.gather(1, order), v.gather(1, order)
     out = varlen_attention(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
     return out.reshape(bc, m, h * dh)
 
@@ -361,7 +367,7 @@ def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, coun
 
 
 varlen_attention = flash_varlen_attention  # the kernel `attend` calls; CPU tests swap in a reference
-qk_norm_rope = qk_kernel.norm_rope  # the q/k kernel of layouts with fused_qk; CPU tests swap in a reference
+attention_inputs = qk_kernel.attention_inputs  # the kernel of layouts with fused_qk; CPU tests swap in a reference
 
 
 def varlen_attention_supported(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
@@ -392,26 +398,30 @@ class Attention(nn.Module):
         # q, k, v: [bc, m, h*dh] -> [bc, m, h, dh]
         return apply_rope(q_norm(q), rope), apply_rope(k_norm(k), rope), v
 
-    def _values(self, qkv: Tensor) -> Tensor:  # [bc, m, 3*h*dh] -> v [bc, m, h, dh]
-        return qkv[..., 2 * self.heads * self.dim_head :].unflatten(-1, (self.heads, self.dim_head))
-
-    def _fused_qk(self, streams: list[tuple[Tensor, nn.RMSNorm, nn.RMSNorm, Rope]]) -> tuple[Tensor, Tensor]:
-        """``_project``'s q and k of each (qkv, q_norm, k_norm, rope) stream through the kernel, joined along the
-        sequence: [bc, sum m, h, dh] each."""
+    def _fused_attention(
+        self,
+        streams: list[tuple[Tensor, nn.RMSNorm, nn.RMSNorm, Rope]],
+        key_mask: Tensor | None,
+        visible_keys: VisibleKeys | None,
+    ) -> Tensor:
+        """Attention over the (qkv, q_norm, k_norm, rope) streams joined along the sequence, their q, k, v made by
+        the attention-inputs kernel (k and v straight into ``visible_keys``' order): [bc, sum m, h*dh]."""
         eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(torch.float32).eps  # torch's default
-        return qk_norm_rope(
+        slot = None if visible_keys is None else visible_keys.slot
+        q, k, v = attention_inputs(
             [(qkv, q_norm.weight, k_norm.weight, rope.cos, rope.sin) for qkv, q_norm, k_norm, rope in streams],
-            self.heads, eps,
+            self.heads, eps, slot,
         )
+        return attend(q, k, v, key_mask, visible_keys, keys_in_order=True)
 
     def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
         qkv = self.to_qkv(x)
         if layout.fused_qk:
-            q, k = self._fused_qk([(qkv, self.q_norm, self.k_norm, layout.rope)])
-            v = self._values(qkv)
+            out = self._fused_attention([(qkv, self.q_norm, self.k_norm, layout.rope)], layout.key_mask,
+                                        layout.visible_keys)
         else:
             q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope)
-        out = attend(q, k, v, layout.key_mask, layout.visible_keys)
+            out = attend(q, k, v, layout.key_mask, layout.visible_keys)
         return _zero_rows(self.to_out[0](out), layout.keep)
 
 
@@ -427,16 +437,15 @@ class JointAttention(Attention):
 
     def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         qkv, qkv_c = self.to_qkv(x), self.to_qkv_c(c)
-        if layout.fused_qk:  # written straight into the joint sequence
-            q, k = self._fused_qk(
-                [(qkv, self.q_norm, self.k_norm, layout.rope_audio), (qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)]
-            )
-            v = torch.cat((self._values(qkv), self._values(qkv_c)), dim=1)
+        if layout.fused_qk:  # both streams written straight into the joint sequence
+            streams = [(qkv, self.q_norm, self.k_norm, layout.rope_audio),
+                       (qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)]  # fmt: skip
+            out = self._fused_attention(streams, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
         else:
             q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope_audio)
             cq, ck, cv = self._project(qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)
             q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
-        out = attend(q, k, v, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
+            out = attend(q, k, v, layout.key_mask, layout.visible_keys)
         audio_len = x.shape[1]
         x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
         c_out = _zero_rows(self.to_out_c(out[:, audio_len:]), layout.text_keep)
@@ -516,8 +525,10 @@ def _visible_keys(key_mask: Tensor | None, enabled: bool) -> VisibleKeys | None:
         return None
     visible = key_mask[:, 0, 0, :]  # [bc, m]
     rows, m = visible.shape
+    order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
     return VisibleKeys(
-        order=torch.argsort((~visible).to(torch.int8), dim=1, stable=True),
+        order=order,
+        slot=torch.argsort(order, dim=1).to(torch.int32),
         count=visible.sum(dim=1, dtype=torch.int32),
         starts=torch.arange(rows + 1, dtype=torch.int32, device=visible.device) * m,
     )
