@@ -301,6 +301,21 @@ def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=first).transpose(1, 2).reshape(rows * m, h, dh)
 
 
+def padded_rows(seed: int) -> tuple:
+    """The two ROWS as one padded batch: text, reference and noisy target (times 50), the per-row lengths, the
+    padded target length and each row's time."""
+    nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
+    shapes = ((nt, 32), (np_, 64), (n, 64))
+    text, ref, x = (50 * rand(2, length, width, seed=seed + i) for i, (length, width) in enumerate(shapes))
+    lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
+    return text, ref, x, lens, n, torch.tensor([r["t"] for r in ROWS])
+
+
+def assert_valid_frames_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    for i, r in enumerate(ROWS):  # the valid frames of each row (padded frames carry garbage either way)
+        torch.testing.assert_close(actual[i :: 2, : r["n"]], expected[i :: 2, : r["n"]], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("cfg", [False, True])
 @pytest.mark.parametrize("with_ref", [True, False])
 def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_ref: bool, monkeypatch) -> None:
@@ -309,9 +324,7 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
     calls = []
     monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append(1) or reference_varlen_attention(*a))
     model = make_model(seed=2)
-    nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
-    text, ref, x = 50 * rand(2, nt, 32, seed=23), 50 * rand(2, np_, 64, seed=24), 50 * rand(2, n, 64, seed=25)
-    lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
+    text, ref, x, lens, n, t = padded_rows(seed=23)
     outputs = {}
     with torch.no_grad():
         for varlen in (False, True):
@@ -319,11 +332,9 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
             ctx = model.prepare(text, lens["nt"], ref if with_ref else None, lens["np"] if with_ref else None,
                                 lens["valid"] if with_ref else None, n, lens["n"], cfg=cfg)
             assert (ctx.joint.visible_keys is not None) == varlen and (ctx.single.visible_keys is not None) == varlen
-            outputs[varlen] = model(x, torch.tensor([r["t"] for r in ROWS]), ctx)
+            outputs[varlen] = model(x, t, ctx)
     assert len(calls) == TINY.num_layers + TINY.num_single_layers
-    for i, r in enumerate(ROWS):  # the valid frames of each row (padded frames carry garbage either way)
-        torch.testing.assert_close(outputs[True][i :: 2, : r["n"]], outputs[False][i :: 2, : r["n"]],
-                                   rtol=0, atol=1e-5)  # fmt: skip
+    assert_valid_frames_close(outputs[True], outputs[False])
 
 
 @pytest.mark.parametrize("cfg", [False, True])
@@ -337,21 +348,17 @@ def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeyp
                         lambda *a: calls.append(len(a[0])) or attention_inputs_reference(*a))  # fmt: skip
     monkeypatch.setattr(dit_module, "varlen_attention", reference_varlen_attention)
     model = make_model(seed=3)
-    nt, np_, n = (max(r[k] for r in ROWS) for k in ("nt", "np", "n"))
-    text, ref, x = 50 * rand(2, nt, 32, seed=33), 50 * rand(2, np_, 64, seed=34), 50 * rand(2, n, 64, seed=35)
-    lens = {k: torch.tensor([r[k] for r in ROWS]) for k in ("nt", "np", "valid", "n")}
+    text, ref, x, lens, n, t = padded_rows(seed=33)
     outputs = {}
     with torch.no_grad():
         for fused, varlen in ((False, False), (True, False), (True, True)):
             model.fused_qk, model.varlen_attention = fused, varlen
             ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
             assert ctx.joint.fused_qk == ctx.single.fused_qk == fused
-            outputs[fused, varlen] = model(x, torch.tensor([r["t"] for r in ROWS]), ctx)
+            outputs[fused, varlen] = model(x, t, ctx)
     assert calls == 2 * ([2] * TINY.num_layers + [1] * TINY.num_single_layers)  # joint blocks pass both streams
     torch.testing.assert_close(outputs[True, False], outputs[False, False], rtol=0, atol=1e-5)
-    for i, r in enumerate(ROWS):  # the valid frames of each row (padded frames carry garbage either way)
-        torch.testing.assert_close(outputs[True, True][i :: 2, : r["n"]], outputs[False, False][i :: 2, : r["n"]],
-                                   rtol=0, atol=1e-5)  # fmt: skip
+    assert_valid_frames_close(outputs[True, True], outputs[False, False])
     model.fused_qk = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
         assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.fused_qk

@@ -110,29 +110,38 @@ def test_batched_matches_alone(pipe):
         assert diff < 0.05
 
 
-def test_variable_length_attention_matches_masked_attention(pipe):
-    """A padded CFG batch at release size in bf16: the DiT with FlashAttention over each row's visible keys
-    against the same DiT with masked SDPA."""
-    dit = pipe.dit
-    generator = torch.Generator("cuda").manual_seed(2)
+PADDED_LENS = ([217, 190], [250, 175], [300, 280])  # per row: prompt tokens, reference frames, target frames
+
+
+def padded_cfg_velocity(dit, setting: str, values: tuple, seed: int) -> dict:
+    """A padded CFG batch of two requests at release size in bf16 through the DiT once per value of its
+    attribute ``setting`` (reset to automatic after): {value: velocity [4, 300, 64]}."""
+    generator = torch.Generator("cuda").manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
-    text_lens, ref_lens, target_lens = (torch.tensor(v, device="cuda") for v in ([217, 190], [250, 175], [300, 280]))
+    text_lens, ref_lens, target_lens = (torch.tensor(v, device="cuda") for v in PADDED_LENS)
     x, t = rand(2, 300, 64), torch.tensor(0.4, device="cuda")
     args = (rand(2, 224, 2048), text_lens, rand(2, 250, 64), ref_lens, ref_lens - 1, 300, target_lens)
     velocity = {}
     with torch.inference_mode():
-        for varlen in (True, False):
-            dit.varlen_attention = varlen
+        for value in values:
+            setattr(dit, setting, value)
             try:
-                ctx = dit.prepare(*args, cfg=True)
-                assert (ctx.single.visible_keys is not None) == varlen
-                velocity[varlen] = dit(x, t, ctx)
+                velocity[value] = dit(x, t, dit.prepare(*args, cfg=True))
             finally:
-                dit.varlen_attention = None
-    for row in range(4):
-        valid = int(target_lens[row % 2])
-        compare(f"velocity row {row}, variable-length vs masked attention", velocity[True][row, :valid],
-                velocity[False][row, :valid], 2e-2)  # fmt: skip
+                setattr(dit, setting, None)
+    return velocity
+
+
+def compare_valid_frames(what: str, fast: torch.Tensor, reference: torch.Tensor, tolerance: float) -> None:
+    for row in range(4):  # cond rows, then uncond rows; padded frames carry garbage either way
+        valid = PADDED_LENS[2][row % 2]
+        compare(f"velocity row {row}, {what}", fast[row, :valid], reference[row, :valid], tolerance)
+
+
+def test_variable_length_attention_matches_masked_attention(pipe):
+    """The DiT with FlashAttention over each row's visible keys against the same DiT with masked SDPA."""
+    velocity = padded_cfg_velocity(pipe.dit, "varlen_attention", (True, False), seed=2)
+    compare_valid_frames("variable-length vs masked attention", velocity[True], velocity[False], 2e-2)
 
 
 def test_attention_inputs_kernel_matches_the_torch_form(pipe):
@@ -143,14 +152,13 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
 
     dit = pipe.dit
     generator = torch.Generator("cuda").manual_seed(4)
-    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
     eps = torch.finfo(torch.float32).eps
     block = dit.transformer_blocks[0].attn
     streams = []
-    for m, rope_positions in ((550, torch.arange(550)), (217, torch.arange(217))):
-        rope = dit.rotary_embed.tables(rope_positions.cuda().expand(2, m))
-        streams.append((rand(2, m, 3 * 1536).to(torch.bfloat16), block.q_norm.weight, block.k_norm.weight,
-                        rope.cos, rope.sin))
+    for m in (550, 217):
+        rope = dit.rotary_embed.tables(torch.arange(m, device="cuda").expand(2, m))
+        qkv = torch.randn(2, m, 3 * 1536, device="cuda", generator=generator).to(torch.bfloat16)
+        streams.append((qkv, block.q_norm.weight, block.k_norm.weight, rope.cos, rope.sin))
     shuffled = torch.stack([torch.randperm(767, device="cuda", generator=generator) for _ in range(2)]).int()
     for slot in (None, shuffled):
         with torch.inference_mode():
@@ -161,23 +169,8 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
             compare(f"attention-inputs kernel, {name} ({order}) against fp32", out, ref, 4e-3)  # bf16 rounding
         assert torch.equal(fast[2].float(), reference[2])  # v is copied
 
-    text_lens, ref_lens, target_lens = (torch.tensor(v, device="cuda") for v in ([217, 190], [250, 175], [300, 280]))
-    x, t = rand(2, 300, 64), torch.tensor(0.4, device="cuda")
-    args = (rand(2, 224, 2048), text_lens, rand(2, 250, 64), ref_lens, ref_lens - 1, 300, target_lens)
-    velocity = {}
-    with torch.inference_mode():
-        for fused in (True, False):
-            dit.fused_qk = fused
-            try:
-                ctx = dit.prepare(*args, cfg=True)
-                assert ctx.single.fused_qk == fused
-                velocity[fused] = dit(x, t, ctx)
-            finally:
-                dit.fused_qk = None
-    for row in range(4):
-        valid = int(target_lens[row % 2])
-        compare(f"velocity row {row}, attention-inputs kernel vs torch form", velocity[True][row, :valid],
-                velocity[False][row, :valid], 2e-2)  # fmt: skip
+    velocity = padded_cfg_velocity(dit, "fused_qk", (True, False), seed=5)
+    compare_valid_frames("attention-inputs kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 
 def test_fp8_block_linears_at_release_size():
