@@ -77,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 30
     flops = 2 * args.rows * (positions * 2 * position_weights(dit) + 4 * positions**2 * 1536 * blocks)
     grid = time_grid(32, -1.0).cuda()
-    # (name, model, padding, variable-length attention, q/k kernel): without padding nothing is masked; padded,
-    # the masked keys go through FlashAttention's variable-length kernel or through masked SDPA. The q/k norms and
-    # rotary run through their kernel, or as torch ops (inductor's fusion in the compiled runs).
+    # (name, model, padding, variable-length attention, attention-inputs kernel): without padding nothing is
+    # masked; padded, the masked keys go through FlashAttention's variable-length kernel or through masked SDPA.
+    # q, k, v come from the attention-inputs kernel, or from torch ops (inductor's fusion in the compiled runs).
     variants = [
         ("exact", dit, 0, None, True),
         ("padded", dit, 7, True, True),
         ("padded, masked SDPA", dit, 7, False, True),
-        ("padded, torch q/k", dit, 7, True, False),
+        ("padded, torch inputs", dit, 7, True, False),
     ]
     if args.fp8:
         fp8_dit = copy.deepcopy(dit)
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.variants:
         variants = [variant for variant in variants if variant[0] in args.variants]
     with torch.inference_mode():
-        for name, model, pad, varlen, fused_qk in variants:
-            model.varlen_attention, model.fused_qk = varlen, fused_qk
+        for name, model, pad, varlen, inputs_kernel in variants:
+            model.varlen_attention, model.inputs_kernel = varlen, inputs_kernel
             ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
             velocity = guided_velocity(model, ctx, 2.0)
             eager_s = timed(lambda: velocity(x, grid[3], 3))
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         dynamics = {"yes": [True], "no": [False], "both": [False, True]}[args.dynamic] if args.compile else []
         for dynamic in dynamics:
             torch._dynamo.reset()
-            for name, model, pad, varlen, fused_qk in variants:
-                model.varlen_attention, model.fused_qk = varlen, fused_qk
+            for name, model, pad, varlen, inputs_kernel in variants:
+                model.varlen_attention, model.inputs_kernel = varlen, inputs_kernel
                 ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
                 graphs = StepGraphs(model, 4, compile_blocks=True, dynamic=dynamic)
                 started = time.perf_counter()

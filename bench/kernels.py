@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8", action="store_true", help="profile the DiT step with FP8 block linears as well")
     parser.add_argument("--masked-attention", action="store_true",
                         help="masked SDPA for padded sequences (no variable-length FlashAttention)")
-    parser.add_argument("--torch-qk", action="store_true",
-                        help="q/k norms and rotary as torch ops (inductor's fusion), not their kernel")
+    parser.add_argument("--torch-inputs", action="store_true",
+                        help="q, k, v as torch ops (inductor's fusion), not the attention-inputs kernel")
     parser.add_argument("--batch", type=int, default=1, help="jobs in the DiT step (a bulk pass: 8)")
     parser.add_argument("--decode-frames", type=int, default=300)
     parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
@@ -157,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             dit.eval().requires_grad_(False)
             compile_dit_blocks(dit)  # as the worker compiles them
             dit.varlen_attention = False if args.masked_attention else None
-            dit.fused_qk = False if args.torch_qk else None
+            dit.inputs_kernel = False if args.torch_inputs else None
             ctx, x = make_ctx(dit, args.batch, args.text, args.ref, args.frames, args.pad)
             velocity = guided_velocity(dit, ctx, 2.0)
             t = torch.tensor(0.5, device="cuda")
             shape = (f"{args.batch} job(s), text {args.text}, ref {args.ref}, frames {args.frames}, pad {args.pad}, "
                      f"{'masked SDPA' if ctx.single.visible_keys is None else 'variable-length'} attention, "
-                     f"{'q/k kernel' if ctx.single.fused_qk else 'torch q/k'}")
+                     f"{'inputs kernel' if ctx.single.inputs_kernel else 'torch inputs'}")
             profile(f"DiT CFG step, {shape}", lambda: velocity(x, t, 3), args.rows)
             if args.fp8:
                 use_fp8_block_linears(dit)

@@ -12,7 +12,7 @@ from torch import nn
 from auk_worker.errors import CheckpointError, InputError
 from auk_worker.model import dit as dit_module
 from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
-from auk_worker.model.qk_kernel import attention_inputs_reference
+from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -352,16 +352,16 @@ def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeyp
     outputs = {}
     with torch.no_grad():
         for fused, varlen in ((False, False), (True, False), (True, True)):
-            model.fused_qk, model.varlen_attention = fused, varlen
+            model.inputs_kernel, model.varlen_attention = fused, varlen
             ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
-            assert ctx.joint.fused_qk == ctx.single.fused_qk == fused
+            assert ctx.joint.inputs_kernel == ctx.single.inputs_kernel == fused
             outputs[fused, varlen] = model(x, t, ctx)
     assert calls == 2 * ([2] * TINY.num_layers + [1] * TINY.num_single_layers)  # joint blocks pass both streams
     torch.testing.assert_close(outputs[True, False], outputs[False, False], rtol=0, atol=1e-5)
     assert_valid_frames_close(outputs[True, True], outputs[False, False])
-    model.fused_qk = None  # automatic: only where the kernel runs, never on the CPU
+    model.inputs_kernel = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
-        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.fused_qk
+        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.inputs_kernel
 
 
 def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:

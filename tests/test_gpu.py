@@ -148,7 +148,7 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
     """The attention-inputs kernel against the torch form that inductor fuses, alone at release widths (against
     an fp32 reference, keys in order and in a shuffled order) and in the release-size DiT's compiled blocks (a
     padded CFG batch, bf16, variable-length attention)."""
-    from auk_worker.model.qk_kernel import attention_inputs, attention_inputs_reference
+    from auk_worker.model.attention_inputs_kernel import attention_inputs, attention_inputs_reference
 
     dit = pipe.dit
     generator = torch.Generator("cuda").manual_seed(4)
@@ -169,7 +169,7 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
             compare(f"attention-inputs kernel, {name} ({order}) against fp32", out, ref, 4e-3)  # bf16 rounding
         assert torch.equal(fast[2].float(), reference[2])  # v is copied
 
-    velocity = padded_cfg_velocity(dit, "fused_qk", (True, False), seed=5)
+    velocity = padded_cfg_velocity(dit, "inputs_kernel", (True, False), seed=5)
     compare_valid_frames("attention-inputs kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 

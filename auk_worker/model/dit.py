@@ -16,9 +16,9 @@ Precision: works with fp32 weights (exact) or bf16 weights without autocast. The
 Attention: where a context hides keys (batch or bucket padding, a masked reference frame), a GPU in half
 precision runs FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built
 once in ``prepare``); elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
-There too, q, k and v go from the qkv projection to the attention's input in one kernel (``qk_kernel``: q and k
-normed and rotated, the double blocks' two streams straight into the joint sequence, k and v straight into the
-visible-first order).
+There too, q, k and v go from the qkv projection to the attention's input in one kernel
+(``attention_inputs_kernel``: q and k normed and rotated, the double blocks' two streams straight into the joint
+sequence, k and v straight into the visible-first order).
 
 Shapes:
     b    requests (rows of the ODE state)
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model import qk_kernel
+from auk_worker.model import attention_inputs_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class JointLayout:
     visible_keys: VisibleKeys | None  # the same mask for the variable-length kernel; None = use key_mask
     audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
     text_keep: Tensor | None  # [bc, nt, 1]
-    fused_qk: bool = False  # q, k, v through the attention-inputs kernel (attention_inputs)
+    inputs_kernel: bool = False  # q, k, v through the attention-inputs kernel (attention_inputs)
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class SingleLayout:
     key_mask: Tensor | None  # [bc, 1, 1, ns]
     visible_keys: VisibleKeys | None
     keep: Tensor | None  # [bc, ns, 1]
-    fused_qk: bool = False
+    inputs_kernel: bool = False
 
 
 @dataclass(frozen=True)
@@ -367,7 +367,8 @@ def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, coun
 
 
 varlen_attention = flash_varlen_attention  # the kernel `attend` calls; CPU tests swap in a reference
-attention_inputs = qk_kernel.attention_inputs  # the kernel of layouts with fused_qk; CPU tests swap in a reference
+# The kernel of layouts with inputs_kernel; CPU tests swap in a reference.
+attention_inputs = attention_inputs_kernel.attention_inputs
 
 
 def varlen_attention_supported(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
@@ -416,7 +417,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
         qkv = self.to_qkv(x)
-        if layout.fused_qk:
+        if layout.inputs_kernel:
             out = self._fused_attention([(qkv, self.q_norm, self.k_norm, layout.rope)], layout.key_mask,
                                         layout.visible_keys)
         else:
@@ -437,7 +438,7 @@ class JointAttention(Attention):
 
     def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         qkv, qkv_c = self.to_qkv(x), self.to_qkv_c(c)
-        if layout.fused_qk:  # both streams written straight into the joint sequence
+        if layout.inputs_kernel:  # both streams written straight into the joint sequence
             streams = [(qkv, self.q_norm, self.k_norm, layout.rope_audio),
                        (qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)]  # fmt: skip
             out = self._fused_attention(streams, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
@@ -556,10 +557,10 @@ class AuKDiT(nn.Module):
         )
         self.norm_out = AdaLayerNormFinal(config.dim)
         self.proj_out = nn.Linear(config.dim, config.latent_dim)
-        # Masked attention runs through the variable-length kernel, and q/k norms and rotary through their
-        # kernel: None = wherever each is supported.
+        # Masked attention runs through the variable-length kernel, and the attention's q, k, v are made by
+        # the attention-inputs kernel: None = wherever each is supported.
         self.varlen_attention: bool | None = None
-        self.fused_qk: bool | None = None
+        self.inputs_kernel: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -643,9 +644,9 @@ class AuKDiT(nn.Module):
         varlen = self.varlen_attention
         if varlen is None:
             varlen = varlen_attention_supported(device, dtype, config.dim_head)
-        fused_qk = self.fused_qk
-        if fused_qk is None:
-            fused_qk = qk_kernel.available(device, dtype, config.dim_head)
+        inputs_kernel = self.inputs_kernel
+        if inputs_kernel is None:
+            inputs_kernel = attention_inputs_kernel.available(device, dtype, config.dim_head)
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
@@ -655,14 +656,14 @@ class AuKDiT(nn.Module):
             visible_keys=_visible_keys(joint_mask, varlen),
             audio_keep=_keep(audio_valid),
             text_keep=_keep(text_valid),
-            fused_qk=fused_qk,
+            inputs_kernel=inputs_kernel,
         )
         single = SingleLayout(
             rope=rope(_positions(single_present)),
             key_mask=single_mask,
             visible_keys=_visible_keys(single_mask, varlen),
             keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
-            fused_qk=fused_qk,
+            inputs_kernel=inputs_kernel,
         )
         return DiTContext(
             cfg=cfg,

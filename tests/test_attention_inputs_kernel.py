@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from auk_worker.model.dit import Attention, Rope, RotaryEmbedding
-from auk_worker.model.qk_kernel import attention_inputs_reference
+from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
 
 HEADS, DIM_HEAD = 3, 16
 EPS = torch.finfo(torch.float32).eps
@@ -54,7 +54,7 @@ def check_kernel() -> None:
     """The kernel against the reference: one stream and two (joined along the sequence), row counts that do not
     fill a program, keys in order and moved to slots, fp32 (tight) and bf16 (the interpreter rounds bf16 by
     truncation: one unit in the last place). Run with TRITON_INTERPRET=1 (see below)."""
-    from auk_worker.model.qk_kernel import attention_inputs
+    from auk_worker.model.attention_inputs_kernel import attention_inputs
 
     generator = torch.Generator().manual_seed(5)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
@@ -75,7 +75,7 @@ def check_kernel() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
 def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_qk_kernel import check_kernel; check_kernel()"
+    code = "from tests.test_attention_inputs_kernel import check_kernel; check_kernel()"
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
