@@ -5,8 +5,8 @@
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
 profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the
-audio tower runs as the pipeline runs it. Prints one table per stage; used to choose what to optimise next, not to
-report latency (``bench.pipeline`` does that).
+audio tower runs as the pipeline runs it. Prints one table per stage, after the stage's GPU time by kind of kernel
+(``KINDS``); used to choose what to optimise next, not to report latency (``bench.pipeline`` does that).
 """
 
 from __future__ import annotations
@@ -32,6 +32,23 @@ from bench.dit_step import make_ctx, timed
 from bench.models import RELEASE_ARCH, release_thinker_config
 
 
+# Kernel names by kind, first match wins: inductor's generated kernels (named after the ops they fuse, so before
+# the rest), the two hand-written Triton kernels, attention, matrix products and convolutions; then
+# everything else (ATen's own kernels, copies, memsets).
+KINDS = (
+    ("inductor", ("triton_",)),
+    ("hand-written", ("_attention_inputs_kernel", "_alias_free_kernel")),
+    ("attention", ("sdpa", "flash", "fmha")),
+    ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
+)
+
+
+def kind(kernel: str) -> str:
+    """Which of KINDS a kernel name belongs to ("other" for none)."""
+    lowered = kernel.lower()
+    return next((name for name, marks in KINDS if any(mark in lowered for mark in marks)), "other")
+
+
 def profile(name: str, fn, rows: int) -> None:
     fn()
     torch.cuda.synchronize()
@@ -44,6 +61,13 @@ def profile(name: str, fn, rows: int) -> None:
     launches = sum(e.count for e in kernels)
     print(f"\n== {name}: {timed(fn, 10) * 1e3:.2f} ms wall (eager launch), GPU busy {busy_us / 1e3:.2f} ms "
           f"in {launches} kernels", flush=True)
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        total = totals.setdefault(kind(e.key), [0.0, 0])
+        total[0] += e.self_device_time_total
+        total[1] += e.count
+    print("   by kind: " + ", ".join(f"{name} {us / 1e3:.2f} ms ({count} calls)"
+                                    for name, (us, count) in sorted(totals.items(), key=lambda item: -item[1][0])))
     for e in kernels[:rows]:
         share = e.self_device_time_total / busy_us
         print(f"   {e.self_device_time_total / 1e3:7.3f} ms {share:6.1%} {e.count:5d} x  {e.key[:90]}", flush=True)

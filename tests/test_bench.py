@@ -78,3 +78,18 @@ def test_results_name_a_changed_checkout_dirty(tmp_path, monkeypatch):
     assert commit(tmp_path / "missing") == "abc1234"
     monkeypatch.delenv("AUK_COMMIT")
     assert commit(tmp_path.parent / "not-a-checkout-here") == "unknown"
+
+
+def test_kernel_kinds_sort_the_names_a_dit_step_profile_shows():
+    from bench.kernels import kind
+
+    products = "matrix products and convolutions"
+    assert kind("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == products
+    assert kind("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc") == products
+    assert kind("void cudnn::cnn::dgrad2d_grouped_direct_kernel<float, int, float, float>") == products
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
+    assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>") == "attention"
+    assert kind("_attention_inputs_kernel") == kind("_alias_free_kernel") == "hand-written"
+    assert kind("triton_red_fused_add_mul_native_layer_norm_split_unsqueeze_0") == "inductor"
+    assert kind("triton_poi_fused__scaled_dot_product_cudnn_attention_cat_slice_transpose_view_2") == "inductor"
+    assert kind("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast") == "other"
