@@ -20,7 +20,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.settings import Settings
 from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env
+from bench.common import commit
 
 log = logging.getLogger("bench.queue_overhead")
 
@@ -42,14 +42,6 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
     return ordered[index]
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _torch_version() -> str:
@@ -139,7 +131,7 @@ def run(jobs: int, warmup: int, gen_seconds: float, steps: int, out_dir: Path) -
     result = {
         "benchmark": "queue_overhead",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "torch": _torch_version(),
         "python": platform.python_version(),
         "host": {"name": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
