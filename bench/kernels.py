@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if "gemm" in args.stages:
             block_gemms(2 * args.batch * (args.text + args.ref + args.frames + args.pad))
         if "attention" in args.stages:
-            attention_backends(args.text + args.frames + args.pad, args.masked)
+            attention_backends(args.text + args.ref + args.frames + args.pad, args.masked)
         if "decode" in args.stages:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
