@@ -77,24 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 30
     flops = 2 * args.rows * (positions * 2 * position_weights(dit) + 4 * positions**2 * 1536 * blocks)
     grid = time_grid(32, -1.0).cuda()
-    # (name, model, padding, variable-length attention, attention-inputs kernel): without padding nothing is
-    # masked; padded, the masked keys go through FlashAttention's variable-length kernel or through masked SDPA.
-    # q, k, v come from the attention-inputs kernel, or from torch ops (inductor's fusion in the compiled runs).
+    # (name, model, padding, DiT settings): without padding nothing is masked; padded, the masked keys go through
+    # FlashAttention's variable-length kernel or through masked SDPA. q, k, v come from the attention-inputs kernel
+    # and the adaptive norms from the modulated-norm kernel, or from torch ops (inductor's fusion when compiled).
+    kernels = {"varlen_attention": True, "inputs_kernel": True, "norm_kernel": True}
     variants = [
-        ("exact", dit, 0, None, True),
-        ("padded", dit, 7, True, True),
-        ("padded, masked SDPA", dit, 7, False, True),
-        ("padded, torch inputs", dit, 7, True, False),
+        ("exact", dit, 0, kernels),
+        ("padded", dit, 7, kernels),
+        ("padded, masked SDPA", dit, 7, {**kernels, "varlen_attention": False}),
+        ("padded, torch inputs", dit, 7, {**kernels, "inputs_kernel": False}),
+        ("padded, torch norms", dit, 7, {**kernels, "norm_kernel": False}),
     ]
     if args.fp8:
         fp8_dit = copy.deepcopy(dit)
         use_fp8_block_linears(fp8_dit)
-        variants.append(("padded, fp8", fp8_dit, 7, True, True))
+        variants.append(("padded, fp8", fp8_dit, 7, kernels))
     if args.variants:
         variants = [variant for variant in variants if variant[0] in args.variants]
     with torch.inference_mode():
-        for name, model, pad, varlen, inputs_kernel in variants:
-            model.varlen_attention, model.inputs_kernel = varlen, inputs_kernel
+        for name, model, pad, settings in variants:
+            for setting, value in settings.items():
+                setattr(model, setting, value)
             ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
             velocity = guided_velocity(model, ctx, 2.0)
             eager_s = timed(lambda: velocity(x, grid[3], 3))
@@ -111,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         dynamics = {"yes": [True], "no": [False], "both": [False, True]}[args.dynamic] if args.compile else []
         for dynamic in dynamics:
             torch._dynamo.reset()
-            for name, model, pad, varlen, inputs_kernel in variants:
-                model.varlen_attention, model.inputs_kernel = varlen, inputs_kernel
+            for name, model, pad, settings in variants:
+                for setting, value in settings.items():
+                    setattr(model, setting, value)
                 ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
                 graphs = StepGraphs(model, 4, compile_blocks=True, dynamic=dynamic)
                 started = time.perf_counter()

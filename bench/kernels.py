@@ -1,7 +1,7 @@
 """Where the GPU time of each stage goes: the top kernels of one DiT step, one VAE decode and one audio-tower pass.
 
     python -m bench.kernels [--text 155] [--ref 0] [--frames 150] [--batch 1] [--fp8] [--decode-frames 300]
-                            [--mel-frames 500] [--stages dit gemm attention decode audio encode]
+                            [--mel-frames 500] [--stages dit gemm norms attention decode audio encode]
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
 profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the
@@ -37,7 +37,7 @@ from bench.models import RELEASE_ARCH, release_thinker_config
 # everything else (ATen's own kernels, copies, memsets).
 KINDS = (
     ("inductor", ("triton_",)),
-    ("hand-written", ("_attention_inputs_kernel", "_alias_free_kernel")),
+    ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel")),
     ("attention", ("sdpa", "flash", "fmha")),
     ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
 )
@@ -92,6 +92,55 @@ def block_gemms(tokens: int) -> None:
             elapsed = timed(graph.replay, 10) / 50
             line += f"   {precision} {elapsed * 1e6:6.1f} ({2 * tokens * k * n / elapsed / 1e12:5.0f})"
         print(line, flush=True)
+
+
+def norm_kernels(positions: int) -> None:
+    """A block's two adaptive norms at ``positions`` rows (a step's positions over its CFG rows): the
+    modulated-norm kernel against inductor's compile of the torch form (as the blocks are compiled), each replayed
+    from a graph of 50 calls; then the kernel's rows per program and warps, swept."""
+    from auk_worker.model import dit as dit_module
+    from auk_worker.model import modulated_norm_kernel as kernel
+
+    d, eps = RELEASE_ARCH["dim"], dit_module.LAYER_NORM_EPS
+    x, y = (torch.randn(2, positions // 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    modulation = torch.randn(1, 6 * d, device="cuda", dtype=torch.bfloat16)
+    shift, scale, gate = (chunk[:, None] for chunk in modulation.chunk(6, dim=1)[:3])
+    keep = torch.ones(2, positions // 2, 1, dtype=torch.bool, device="cuda")
+    keep[:, -7:] = False
+    tensor_bytes = x.numel() * x.element_size()
+    forms = {  # name: (torch form, kernel, tensors read and written)
+        "norm": (lambda: dit_module._modulate(x, shift, scale),
+                 lambda: kernel.modulated_norm(x, shift, scale, eps), 2),
+        "gated residual + norm": (
+            lambda: dit_module._gated_residual_norm(x, y, gate, keep, shift, scale, kernel=False),
+            lambda: kernel.gated_residual_norm(x, y, gate, keep, shift, scale, eps), 4),
+    }
+
+    def per_call(fn) -> float:
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(50):
+                fn()
+        return timed(graph.replay, 10) / 50
+
+    print(f"\n== adaptive norms at {positions} rows of {d}, microseconds per call (GB/s):", flush=True)
+    for name, (torch_form, fused, tensors) in forms.items():
+        line = f"   {name:24s}"
+        for label, fn in (("inductor", torch.compile(torch_form, dynamic=True)), ("kernel", fused)):
+            elapsed = per_call(fn)
+            line += f"   {label} {elapsed * 1e6:6.1f} ({tensors * tensor_bytes / elapsed / 1e9:5.0f})"
+        print(line, flush=True)
+    chosen = kernel.ROWS, kernel.WARPS
+    try:
+        for rows in (1, 2, 4):
+            line = f"   rows per program {rows}, warps 2 / 4 / 8:"
+            for warps in (2, 4, 8):
+                kernel.ROWS, kernel.WARPS = rows, warps
+                line += "  " + "/".join(f"{per_call(fused) * 1e6:.1f}" for _, fused, _ in forms.values())
+            print(line, flush=True)
+    finally:
+        kernel.ROWS, kernel.WARPS = chosen
 
 
 def attention_backends(length: int, padding: int = 5) -> None:
@@ -165,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="masked SDPA for padded sequences (no variable-length FlashAttention)")
     parser.add_argument("--torch-inputs", action="store_true",
                         help="q, k, v as torch ops (inductor's fusion), not the attention-inputs kernel")
+    parser.add_argument("--torch-norms", action="store_true",
+                        help="adaptive norms as torch ops (inductor's fusion), not the modulated-norm kernel")
     parser.add_argument("--batch", type=int, default=1, help="jobs in the DiT step (a bulk pass: 8)")
     parser.add_argument("--decode-frames", type=int, default=300)
     parser.add_argument("--mel-frames", type=int, default=500, help="reference clip length in 10 ms mel frames")
@@ -182,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             compile_dit_blocks(dit)  # as the worker compiles them
             dit.varlen_attention = False if args.masked_attention else None
             dit.inputs_kernel = False if args.torch_inputs else None
+            dit.norm_kernel = False if args.torch_norms else None
             ctx, x = make_ctx(dit, args.batch, args.text, args.ref, args.frames, args.pad)
             velocity = guided_velocity(dit, ctx, 2.0)
             t = torch.tensor(0.5, device="cuda")
             shape = (f"{args.batch} job(s), text {args.text}, ref {args.ref}, frames {args.frames}, pad {args.pad}, "
                      f"{'masked SDPA' if ctx.single.visible_keys is None else 'variable-length'} attention, "
-                     f"{'inputs kernel' if ctx.single.inputs_kernel else 'torch inputs'}")
+                     f"{'inputs kernel' if ctx.single.inputs_kernel else 'torch inputs'}, "
+                     f"{'norm kernel' if ctx.single.norm_kernel else 'torch norms'}")
             profile(f"DiT CFG step, {shape}", lambda: velocity(x, t, 3), args.rows)
             if args.fp8:
                 use_fp8_block_linears(dit)
@@ -195,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             del dit, ctx
         if "gemm" in args.stages:
             block_gemms(2 * args.batch * (args.text + args.ref + args.frames + args.pad))
+        if "norms" in args.stages:
+            norm_kernels(2 * args.batch * (args.text + args.ref + args.frames + args.pad))
         if "attention" in args.stages:
             attention_backends(args.text + args.ref + args.frames + args.pad, args.masked)
         if "decode" in args.stages:

@@ -13,6 +13,7 @@ from auk_worker.errors import CheckpointError, InputError
 from auk_worker.model import dit as dit_module
 from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
 from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
+from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -362,6 +363,37 @@ def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeyp
     model.inputs_kernel = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
         assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.inputs_kernel
+
+
+@pytest.mark.parametrize("cfg", [False, True])
+def test_modulated_norm_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
+    """The GPU's form of the adaptive norms (one call per norm, the gated residual and its padded-row mask folded
+    into the norm before each feed-forward), run here with the kernel's torch references: the same velocity as the
+    module path, with the modulation computed per row or shared."""
+    calls = []
+    monkeypatch.setattr(dit_module, "modulated_norm",
+                        lambda *a: calls.append("norm") or modulated_norm_reference(*a))  # fmt: skip
+    monkeypatch.setattr(dit_module, "gated_residual_norm",
+                        lambda *a: calls.append("residual") or gated_residual_norm_reference(*a))  # fmt: skip
+    model = make_model(seed=4)
+    text, ref, x, lens, n, t = padded_rows(seed=43)
+    shared_t = t[:1]  # one time for every row: the modulation as one row [1, width], as the graph path passes it
+    outputs = {}
+    with torch.no_grad():
+        for kernel in (False, True):
+            model.norm_kernel = kernel
+            ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
+            assert ctx.joint.norm_kernel == ctx.single.norm_kernel == kernel
+            outputs[kernel] = model(x, t, ctx)  # a modulation row per context row
+            outputs[kernel, "shared"] = model(x, shared_t[0], ctx, modulation=model.modulation(shared_t))
+    norms = 2 * TINY.num_layers + TINY.num_single_layers  # a double block norms two streams
+    assert calls.count("residual") == 2 * norms and calls.count("norm") == 2 * (norms + 1)  # + the final norm
+    for key in (True, (True, "shared")):
+        expected = outputs[False] if key is True else outputs[False, "shared"]
+        torch.testing.assert_close(outputs[key], expected, rtol=0, atol=1e-5)
+    model.norm_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    with torch.no_grad():
+        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.norm_kernel
 
 
 def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:

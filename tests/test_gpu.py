@@ -173,6 +173,38 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
     compare_valid_frames("attention-inputs kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 
+def test_modulated_norm_kernel_matches_the_torch_form(pipe):
+    """The modulated-norm kernel against an fp32 reference alone at release width (both forms, a keep mask
+    dropping positions, the final norm's strided slice), and in the release-size DiT's compiled blocks against
+    the torch form that inductor fuses (a padded CFG batch, bf16)."""
+    from auk_worker.model.dit import LAYER_NORM_EPS
+    from auk_worker.model.modulated_norm_kernel import (
+        gated_residual_norm, gated_residual_norm_reference, modulated_norm, modulated_norm_reference,
+    )
+
+    generator = torch.Generator("cuda").manual_seed(6)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
+    x, y = (rand(2, 767, 1536).to(torch.bfloat16) for _ in range(2))
+    for mod_rows in (1, 2):
+        modulation = (0.5 * rand(mod_rows, 6 * 1536)).to(torch.bfloat16)
+        shift, scale, gate = (chunk[:, None] for chunk in modulation.chunk(6, dim=1)[:3])
+        keep = torch.rand(2, 767, 1, device="cuda", generator=generator) > 0.1
+        with torch.inference_mode():
+            for what, source in (("", x), (", strided slice", x[:, -300:])):
+                fast = modulated_norm(source, shift, scale, LAYER_NORM_EPS)
+                reference = modulated_norm_reference(source.float(), shift, scale, LAYER_NORM_EPS)
+                compare(f"modulated norm{what}, {mod_rows} modulation row(s), against fp32", fast, reference, 4e-3)
+            stream, normed = gated_residual_norm(x, y, gate, keep, shift, scale, LAYER_NORM_EPS)
+            ref_stream, _ = gated_residual_norm_reference(x.float(), y, gate, keep, shift, scale, LAYER_NORM_EPS)
+            ref_normed = modulated_norm_reference(stream.float(), shift, scale, LAYER_NORM_EPS)
+        compare(f"gated residual, {mod_rows} modulation row(s), against fp32", stream, ref_stream, 4e-3)
+        compare(f"its norm, {mod_rows} modulation row(s), against fp32", normed, ref_normed, 4e-3)
+        assert torch.equal(stream[~keep[..., 0]], x[~keep[..., 0]])  # dropped positions keep their stream
+
+    velocity = padded_cfg_velocity(pipe.dit, "norm_kernel", (True, False), seed=7)
+    compare_valid_frames("modulated-norm kernel vs torch form", velocity[True], velocity[False], 2e-2)
+
+
 def test_fp8_block_linears_at_release_size():
     """The opt-in fp8 precision on a release-size DiT (random weights): how far E4M3 block linears move the
     velocity from bf16, and the compiled graph path against eager with them."""

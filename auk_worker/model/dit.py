@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model import attention_inputs_kernel
+from auk_worker.model import attention_inputs_kernel, modulated_norm_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class JointLayout:
     audio_keep: Tensor | None  # [bc, na, 1] False rows are zeroed after attention; None = keep all
     text_keep: Tensor | None  # [bc, nt, 1]
     inputs_kernel: bool = False  # q, k, v through the attention-inputs kernel (attention_inputs)
+    norm_kernel: bool = False  # adaptive norms and gated residuals through the modulated-norm kernel
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class SingleLayout:
     visible_keys: VisibleKeys | None
     keep: Tensor | None  # [bc, ns, 1]
     inputs_kernel: bool = False
+    norm_kernel: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,13 +320,34 @@ class AdaLayerNormFinal(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, 2 * dim)
 
-    def forward(self, x: Tensor, modulation: Tensor) -> Tensor:  # modulation [r, 2d]
+    def forward(self, x: Tensor, modulation: Tensor, kernel: bool = False) -> Tensor:  # modulation [r, 2d]
         scale, shift = modulation.chunk(2, dim=1)
-        return _modulate(x, shift[:, None], scale[:, None])
+        return _modulated_norm(x, shift[:, None], scale[:, None], kernel)
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=LAYER_NORM_EPS) * (1 + scale) + shift
+
+
+# The kernels of layouts with norm_kernel; CPU tests swap in references.
+modulated_norm = modulated_norm_kernel.modulated_norm
+gated_residual_norm = modulated_norm_kernel.gated_residual_norm
+
+
+def _modulated_norm(x: Tensor, shift: Tensor, scale: Tensor, kernel: bool) -> Tensor:
+    """A block's adaptive norm, ``LN(x) * (1 + scale) + shift``; ``kernel``: as one modulated-norm kernel."""
+    return modulated_norm(x, shift, scale, LAYER_NORM_EPS) if kernel else _modulate(x, shift, scale)
+
+
+def _gated_residual_norm(
+    x: Tensor, y: Tensor, gate: Tensor, keep: Tensor | None, shift: Tensor, scale: Tensor, kernel: bool
+) -> tuple[Tensor, Tensor]:
+    """The residual stream after the attention, ``x + gate * y`` with y zeroed at the rows ``keep`` drops, and
+    its adaptive norm for the feed-forward; ``kernel``: both from one modulated-norm kernel."""
+    if kernel:
+        return gated_residual_norm(x, y, gate, keep, shift, scale, LAYER_NORM_EPS)
+    x = x + gate * _zero_rows(y, keep)
+    return x, _modulate(x, shift, scale)
 
 
 class FeedForward(nn.Module):
@@ -423,7 +446,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope)
             out = attend(q, k, v, layout.key_mask, layout.visible_keys)
-        return _zero_rows(self.to_out[0](out), layout.keep)
+        return self.to_out[0](out)  # padded rows are zeroed by the block (layout.keep)
 
 
 class JointAttention(Attention):
@@ -447,10 +470,8 @@ class JointAttention(Attention):
             cq, ck, cv = self._project(qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)
             q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
             out = attend(q, k, v, layout.key_mask, layout.visible_keys)
-        audio_len = x.shape[1]
-        x_out = _zero_rows(self.to_out[0](out[:, :audio_len]), layout.audio_keep)
-        c_out = _zero_rows(self.to_out_c(out[:, audio_len:]), layout.text_keep)
-        return x_out, c_out
+        audio_len = x.shape[1]  # padded rows are zeroed by the block (layout.audio_keep, text_keep)
+        return self.to_out[0](out[:, :audio_len]), self.to_out_c(out[:, audio_len:])
 
 
 class DoubleStreamBlock(nn.Module):
@@ -470,11 +491,14 @@ class DoubleStreamBlock(nn.Module):
         x_mod, c_mod = modulation  # [r, 6d] each, r = 1 or bc
         x_shift, x_scale, x_gate, x_shift_ff, x_scale_ff, x_gate_ff = self.attn_norm_x(x_mod)
         c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = self.attn_norm_c(c_mod)
-        x_attn, c_attn = self.attn(_modulate(x, x_shift, x_scale), _modulate(c, c_shift, c_scale), layout)
-        c = c + c_gate * c_attn
-        c = c + c_gate_ff * self.ff_c(_modulate(c, c_shift_ff, c_scale_ff))
-        x = x + x_gate * x_attn
-        x = x + x_gate_ff * self.ff_x(_modulate(x, x_shift_ff, x_scale_ff))
+        kernel = layout.norm_kernel
+        x_attn, c_attn = self.attn(
+            _modulated_norm(x, x_shift, x_scale, kernel), _modulated_norm(c, c_shift, c_scale, kernel), layout
+        )
+        c, c_normed = _gated_residual_norm(c, c_attn, c_gate, layout.text_keep, c_shift_ff, c_scale_ff, kernel)
+        c = c + c_gate_ff * self.ff_c(c_normed)
+        x, x_normed = _gated_residual_norm(x, x_attn, x_gate, layout.audio_keep, x_shift_ff, x_scale_ff, kernel)
+        x = x + x_gate_ff * self.ff_x(x_normed)
         return x, c
 
 
@@ -489,8 +513,10 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, h: Tensor, modulation: Tensor, layout: SingleLayout) -> Tensor:  # modulation [r, 6d]
         shift, scale, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(modulation)
-        h = h + gate * self.attn(_modulate(h, shift, scale), layout)
-        return h + gate_ff * self.ff(_modulate(h, shift_ff, scale_ff))
+        kernel = layout.norm_kernel
+        attn = self.attn(_modulated_norm(h, shift, scale, kernel), layout)
+        h, normed = _gated_residual_norm(h, attn, gate, layout.keep, shift_ff, scale_ff, kernel)
+        return h + gate_ff * self.ff(normed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -557,10 +583,12 @@ class AuKDiT(nn.Module):
         )
         self.norm_out = AdaLayerNormFinal(config.dim)
         self.proj_out = nn.Linear(config.dim, config.latent_dim)
-        # Masked attention runs through the variable-length kernel, and the attention's q, k, v are made by
-        # the attention-inputs kernel: None = wherever each is supported.
+        # Masked attention runs through the variable-length kernel, the attention's q, k, v are made by the
+        # attention-inputs kernel, the adaptive norms by the modulated-norm kernel: None = wherever each is
+        # supported.
         self.varlen_attention: bool | None = None
         self.inputs_kernel: bool | None = None
+        self.norm_kernel: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -647,6 +675,9 @@ class AuKDiT(nn.Module):
         inputs_kernel = self.inputs_kernel
         if inputs_kernel is None:
             inputs_kernel = attention_inputs_kernel.available(device, dtype, config.dim_head)
+        norm_kernel = self.norm_kernel
+        if norm_kernel is None:
+            norm_kernel = modulated_norm_kernel.available(device, dtype)
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
@@ -657,6 +688,7 @@ class AuKDiT(nn.Module):
             audio_keep=_keep(audio_valid),
             text_keep=_keep(text_valid),
             inputs_kernel=inputs_kernel,
+            norm_kernel=norm_kernel,
         )
         single = SingleLayout(
             rope=rope(_positions(single_present)),
@@ -664,6 +696,7 @@ class AuKDiT(nn.Module):
             visible_keys=_visible_keys(single_mask, varlen),
             keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
             inputs_kernel=inputs_kernel,
+            norm_kernel=norm_kernel,
         )
         return DiTContext(
             cfg=cfg,
@@ -729,4 +762,4 @@ class AuKDiT(nn.Module):
             h = block(h, next(rows), ctx.single)
 
         h = h[:, -ctx.target_len :]  # [bc, n, d]: the target is the last n positions
-        return self.proj_out(self.norm_out(h, next(rows)))  # [bc, n, l]
+        return self.proj_out(self.norm_out(h, next(rows), ctx.single.norm_kernel))  # [bc, n, l]
