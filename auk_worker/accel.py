@@ -53,11 +53,20 @@ def _leaves(obj: object) -> Iterator[Tensor | None]:
             yield value
 
 
+def _settings(obj: object) -> Iterator[object]:
+    """Every value of a nested dataclass that is not a tensor (flags such as a layout's kernel switches)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _settings(value)
+        elif not isinstance(value, Tensor) and value is not None:
+            yield value
+
+
 def _signature(ctx: DiTContext) -> tuple:
-    """What a captured graph depends on: the shape and dtype of every context tensor (None where absent)."""
-    return (ctx.cfg, ctx.target_len) + tuple(
-        None if t is None else (tuple(t.shape), t.dtype) for t in _leaves(ctx)
-    )
+    """What a captured graph depends on: the context's settings, and the shape and dtype of every context tensor
+    (None where absent)."""
+    return tuple(_settings(ctx)) + tuple(None if t is None else (tuple(t.shape), t.dtype) for t in _leaves(ctx))
 
 
 class ModulationTable:

@@ -584,6 +584,21 @@ def test_the_step_graphs_modulation_table_serves_each_step_its_row_window_by_win
         assert table.cache[tuple(grid[6:7].tolist())] is cached
 
 
+def test_a_step_graph_is_keyed_by_the_contexts_kernel_switches_as_well_as_its_shapes(model: AuKDiT) -> None:
+    """A graph captured with one kernel switch must not replay for a context of the same shapes with another."""
+    from auk_worker.accel import _signature
+
+    model = copy.deepcopy(model)
+    text = rand(1, 5, 32, seed=71)
+    with torch.no_grad():
+        signatures = set()
+        for inputs_kernel, norm_kernel in ((False, False), (True, False), (False, True)):
+            model.inputs_kernel, model.norm_kernel = inputs_kernel, norm_kernel
+            signatures.add(_signature(model.prepare(text, torch.tensor([5]), None, None, None, 7, cfg=True)))
+        again = _signature(model.prepare(text, torch.tensor([5]), None, None, None, 7, cfg=True))
+    assert len(signatures) == 3 and again in signatures
+
+
 def test_compiled_blocks_serve_every_layout_a_worker_meets() -> None:
     """More layouts than dynamo's default recompile limit of 8 pass through the compiled blocks (with
     ``fullgraph`` the ninth compilation would raise inside a job), each with the uncompiled blocks' output."""

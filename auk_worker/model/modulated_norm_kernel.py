@@ -24,8 +24,8 @@ try:
 except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
-ROWS = 2  # positions per program
-WARPS = 4
+ROWS = 1  # positions per program
+WARPS = 2
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
