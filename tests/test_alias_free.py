@@ -9,12 +9,7 @@ interpreter here and compiled in tests/test_gpu.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +25,7 @@ from auk_worker.model.alias_free import (
 )
 from auk_worker.model.vae import AuKVAE, VAEConfig
 from tests.test_vae import TINY, latents, random_vae
+from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 LENGTHS = [*range(1, 34), 64, 101, 256]
 # The decoder's structure (stages of a transposed conv and AMP blocks, activation_post, conv_post) at a size that
@@ -231,12 +227,8 @@ def check_fused_kernel() -> None:
                 assert relative(fused, reference) < 1e-6, (causal, logscale, t, relative(fused, reference))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+@needs_triton
 def test_fused_kernel_equals_the_convolutions_in_the_triton_interpreter():
     """``alias_free_kernel`` run by Triton's CPU interpreter, which is chosen when the kernels are defined: so in
     a process of its own. tests/test_gpu.py runs the compiled kernel on a GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_alias_free import check_fused_kernel; check_fused_kernel()"
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_in_interpreter("tests.test_alias_free", "check_fused_kernel")

@@ -5,17 +5,11 @@ its own: the interpreter is chosen when the kernels are defined) and compiled in
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
 from auk_worker.model.dit import Attention, Rope, RotaryEmbedding
 from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
+from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 HEADS, DIM_HEAD = 3, 16
 EPS = torch.finfo(torch.float32).eps
@@ -72,10 +66,6 @@ def check_kernel() -> None:
                     assert error <= tolerance, (dtype, shapes, slot is not None, error)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+@needs_triton
 def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_attention_inputs_kernel import check_kernel; check_kernel()"
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_in_interpreter("tests.test_attention_inputs_kernel", "check_kernel")

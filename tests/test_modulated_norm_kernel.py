@@ -4,17 +4,11 @@ process of its own: the interpreter is chosen when the kernels are defined) and 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
 from auk_worker.model.dit import LAYER_NORM_EPS, _gated_residual_norm, _modulated_norm
 from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
+from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 DIM = 48  # not a power of two, as the release width (1,536) is not
 
@@ -80,10 +74,6 @@ def check_kernel() -> None:
                     assert torch.equal(stream[~keep[..., 0]], a["x"][~keep[..., 0]])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter runs on the CPU)")
+@needs_triton
 def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.test_modulated_norm_kernel import check_kernel; check_kernel()"
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_in_interpreter("tests.test_modulated_norm_kernel", "check_kernel")
