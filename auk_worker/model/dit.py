@@ -561,6 +561,11 @@ def _visible_keys(key_mask: Tensor | None, enabled: bool) -> VisibleKeys | None:
     )
 
 
+def _switch(setting: bool | None, supported: bool) -> bool:
+    """A fast-path switch of the model: its setting, or where None (automatic) whether the path is supported."""
+    return supported if setting is None else setting
+
+
 def _keep(valid: Tensor) -> Tensor | None:
     keep = _all_or_none(valid)
     return None if keep is None else keep[..., None]  # [bc, m] -> [bc, m, 1]
@@ -669,15 +674,9 @@ class AuKDiT(nn.Module):
         single_present = torch.cat((text_valid, audio_present), dim=1)  # [bc, ns]
 
         rope = self.rotary_embed.tables
-        varlen = self.varlen_attention
-        if varlen is None:
-            varlen = varlen_attention_supported(device, dtype, config.dim_head)
-        inputs_kernel = self.inputs_kernel
-        if inputs_kernel is None:
-            inputs_kernel = attention_inputs_kernel.available(device, dtype, config.dim_head)
-        norm_kernel = self.norm_kernel
-        if norm_kernel is None:
-            norm_kernel = modulated_norm_kernel.available(device, dtype)
+        varlen = _switch(self.varlen_attention, varlen_attention_supported(device, dtype, config.dim_head))
+        inputs_kernel = _switch(self.inputs_kernel, attention_inputs_kernel.available(device, dtype, config.dim_head))
+        norm_kernel = _switch(self.norm_kernel, modulated_norm_kernel.available(device, dtype))
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
