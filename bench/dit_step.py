@@ -42,7 +42,8 @@ def make_ctx(dit: AuKDiT, rows: int, text: int, ref: int, frames: int, pad: int)
     return ctx, torch.randn(rows, n, 64, device=device)
 
 
-def timed(fn, repeats: int = 20) -> float:
+def durations(fn, repeats: int = 20) -> list[float]:
+    """Seconds of each of ``repeats`` calls, each from a drained GPU to a drained GPU."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -50,7 +51,11 @@ def timed(fn, repeats: int = 20) -> float:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn, repeats: int = 20) -> float:
+    return statistics.median(durations(fn, repeats))
 
 
 def main(argv: list[str] | None = None) -> int:

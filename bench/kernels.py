@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +29,12 @@ from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity
 from auk_worker.model.tiny_qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
-from bench.dit_step import make_ctx, timed
+from bench.dit_step import durations, make_ctx, timed
 from bench.models import RELEASE_ARCH, release_thinker_config
 
 
 # Kernel names by kind, first match wins: inductor's generated kernels (named after the ops they fuse, so before
-# the rest), the two hand-written Triton kernels, attention, matrix products and convolutions; then
+# the rest), the hand-written Triton kernels, attention, matrix products and convolutions; then
 # everything else (ATen's own kernels, copies, memsets).
 KINDS = (
     ("inductor", ("triton_",)),
@@ -49,19 +48,6 @@ def kind(kernel: str) -> str:
     """Which of KINDS a kernel name belongs to ("other" for none)."""
     lowered = kernel.lower()
     return next((name for name, marks in KINDS if any(mark in lowered for mark in marks)), "other")
-
-
-def spread(fn, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls (after one untimed call), each from a drained GPU to a drained GPU."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return times
 
 
 def profile(name: str, fn, rows: int) -> None:
@@ -88,6 +74,17 @@ def profile(name: str, fn, rows: int) -> None:
         print(f"   {e.self_device_time_total / 1e3:7.3f} ms {share:6.1%} {e.count:5d} x  {e.key[:90]}", flush=True)
 
 
+def replayed(fn, calls: int = 50) -> float:
+    """Seconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (median of 10 replays), so host
+    launch time is not what is measured."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, 10) / calls
+
+
 def block_gemms(tokens: int) -> None:
     """The block linears' matrix products at ``tokens`` rows (a step's positions over its CFG rows), alone, in
     bf16 and in FP8: how close each shape gets to the GPU's limit, the ceiling for the DiT step."""
@@ -99,12 +96,7 @@ def block_gemms(tokens: int) -> None:
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         line = f"   {name:10s} [{tokens}, {k}] x [{k}, {n}]"
         for precision, layer in (("bf16", linear), ("fp8", Fp8Linear(linear))):
-            layer(x)  # replayed from a graph of 50 calls, so host launch time is not what is measured
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(50):
-                    layer(x)
-            elapsed = timed(graph.replay, 10) / 50
+            elapsed = replayed(lambda: layer(x))
             line += f"   {precision} {elapsed * 1e6:6.1f} ({2 * tokens * k * n / elapsed / 1e12:5.0f})"
         print(line, flush=True)
 
@@ -131,19 +123,11 @@ def norm_kernels(positions: int) -> None:
             lambda: kernel.gated_residual_norm(x, y, gate, keep, shift, scale, eps), 4),
     }
 
-    def per_call(fn) -> float:
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(50):
-                fn()
-        return timed(graph.replay, 10) / 50
-
     print(f"\n== adaptive norms at {positions} rows of {d}, microseconds per call (GB/s):", flush=True)
     for name, (torch_form, fused, tensors) in forms.items():
         line = f"   {name:24s}"
         for label, fn in (("inductor", torch.compile(torch_form, dynamic=True)), ("kernel", fused)):
-            elapsed = per_call(fn)
+            elapsed = replayed(fn)
             line += f"   {label} {elapsed * 1e6:6.1f} ({tensors * tensor_bytes / elapsed / 1e9:5.0f})"
         print(line, flush=True)
     chosen = kernel.ROWS, kernel.WARPS
@@ -152,7 +136,7 @@ def norm_kernels(positions: int) -> None:
             line = f"   rows per program {rows}, warps 2 / 4 / 8:"
             for warps in (2, 4, 8):
                 kernel.ROWS, kernel.WARPS = rows, warps
-                line += "  " + "/".join(f"{per_call(fused) * 1e6:.1f}" for _, fused, _ in forms.values())
+                line += "  " + "/".join(f"{replayed(fused) * 1e6:.1f}" for _, fused, _ in forms.values())
             print(line, flush=True)
     finally:
         kernel.ROWS, kernel.WARPS = chosen
@@ -261,12 +245,13 @@ def main(argv: list[str] | None = None) -> int:
                 use_fp8_block_linears(dit)
                 profile(f"DiT CFG step, FP8 block linears, {shape}", lambda: velocity(x, t, 3), args.rows)
             del dit, ctx
+        positions = args.text + args.ref + args.frames + args.pad  # of one row
         if "gemm" in args.stages:
-            block_gemms(2 * args.batch * (args.text + args.ref + args.frames + args.pad))
+            block_gemms(2 * args.batch * positions)
         if "norms" in args.stages:
-            norm_kernels(2 * args.batch * (args.text + args.ref + args.frames + args.pad))
+            norm_kernels(2 * args.batch * positions)
         if "attention" in args.stages:
-            attention_backends(args.text + args.ref + args.frames + args.pad, args.masked)
+            attention_backends(positions, args.masked)
         if "decode" in args.stages:
             vae = AuKVAE(VAEConfig()).cuda().eval().requires_grad_(False)
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
@@ -325,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                 ("processor (CPU)", lambda: encoder.processor(instruction, clip_16k)),
                 ("whole encode", lambda: encoder.encode(instruction, clip_16k)),
             ):
-                runs = sorted(spread(fn, 50))
-                print(f"   {name:28s} {runs[25] * 1e3:7.2f} / {runs[44] * 1e3:7.2f} / {runs[-1] * 1e3:7.2f} ms", flush=True)
+                fn()  # untimed first call
+                runs = sorted(durations(fn, 50))
+                median, p90, worst = (runs[i] * 1e3 for i in (25, 44, -1))
+                print(f"   {name:28s} {median:7.2f} / {p90:7.2f} / {worst:7.2f} ms", flush=True)
     return 0
 
 
