@@ -11,7 +11,8 @@ Nothing here changes what is computed; it changes how the kernels are launched:
   are kept; a full cache is retired whole before a new capture (the deploy config's rule).
 - The repeated blocks are compiled (regional ``torch.compile``) before capture when ``compile_blocks`` is set, so
   the graph replays fused kernels.
-- ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes.
+- ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes,
+  for one prompt and for a pass of several.
 - ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
   buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket.
 - ``EncodeGraphs`` replays the VAE encoder over reference clips zero-padded to whole seconds, exactly (the
@@ -299,39 +300,40 @@ class EncodeGraphs:
 class EncoderGraphs:
     """The thinker's text model and the layer fusion replayed from CUDA graphs at fixed prompt sizes.
 
-    A prompt of ``nt`` tokens runs in the smallest capture size that holds it, right-padded with zero embeddings:
-    attention is causal, so padding after the prompt cannot reach its positions. Prompts longer than the largest
-    size run eager (the deploy config's ``cudagraph_capture_sizes`` rule). The audio tower and the embedding
-    lookup stay eager: they run before, on the prompt's own length.
+    A pass of ``nt`` tokens runs in the smallest capture size that holds it, right-padded with zero embeddings:
+    attention is causal, so padding after a prompt cannot reach its positions. A pass of several prompts runs in
+    the graphs of ``rows`` prompts (the encoder's ``max_rows``), its missing rows zero. Passes longer than the
+    largest size run eager (the deploy config's ``cudagraph_capture_sizes`` rule). The audio tower and the
+    embedding lookup stay eager: they run before, on each prompt's own length.
     """
 
     def __init__(self, encoder: ThinkerEncoder, sizes: tuple[int, ...]) -> None:
         self.encoder = encoder
         self.sizes = tuple(sorted(sizes))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def capture_all(self) -> None:
-        for size in self.sizes:
-            self._graph(size)
+        for rows in sorted({1, self.encoder.max_rows}):
+            for size in self.sizes:
+                self._graph(rows, size)
 
-    def fuse(self, embeds: Tensor) -> Tensor | None:  # [1, nt, d] -> [1, nt, d] fp32, or None when too long
-        nt = embeds.shape[1]
+    def fuse(self, embeds: Tensor) -> Tensor | None:  # [b, nt, d] -> [b, nt, d] fp32, or None when too long
+        b, nt = embeds.shape[:2]
         size = next((s for s in self.sizes if s >= nt), None)
-        if size is None or embeds.shape[0] != 1:
+        if size is None or b > self.encoder.max_rows:
             return None
-        graph, static_in, static_out = self._graph(size)
+        graph, static_in, static_out = self._graph(1 if b == 1 else self.encoder.max_rows, size)
         static_in.zero_()
-        static_in[:, :nt].copy_(embeds)
+        static_in[:b, :nt].copy_(embeds)
         graph.replay()
-        return static_out[:, :nt].clone()
+        return static_out[:b, :nt].clone()
 
-    def _graph(self, size: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
-        if size not in self.graphs:
-            trunk = self.encoder.trunk
-            weight = trunk.model.embed_tokens.weight
-            static_in = torch.zeros(1, size, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    def _graph(self, rows: int, size: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        if (rows, size) not in self.graphs:
+            weight = self.encoder.trunk.model.embed_tokens.weight
+            static_in = torch.zeros(rows, size, weight.shape[1], device=weight.device, dtype=weight.dtype)
             fuse = lambda: self.encoder.fuse(static_in)  # noqa: E731
             graph, static_out = capture_graph(fuse, weight.device, self.pool, warmups=2)
-            self.graphs[size] = (graph, static_in, static_out)
-        return self.graphs[size]
+            self.graphs[rows, size] = (graph, static_in, static_out)
+        return self.graphs[rows, size]

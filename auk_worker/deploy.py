@@ -24,7 +24,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "auk.yaml"
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    mode: int = 0  # 0: no torch.compile of the thinker (its fused-hidden forward has nothing to hook)
+    mode: int = 0  # 0: the thinker's layers run as written; 1-3: torch.compile of its decoder layer (CUDA)
     cudagraph_mode: Literal["NONE", "FULL", "PIECEWISE", "FULL_AND_PIECEWISE"] = "FULL"
     cudagraph_capture_sizes: tuple[int, ...] = (64, 128, 192, 256, 384, 512)  # prompt tokens
 
@@ -167,6 +167,11 @@ def _check(config: DeployConfig) -> None:
         shared = config.encoder.gpu_memory_utilization + config.dit.gpu_memory_utilization
         if shared > 1.0:
             raise ConfigError(f"gpu_memory_utilization: stages sharing device {config.dit.devices} ask for {shared:.2f} > 1")
+    if config.encoder.compilation_config.mode not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"stages[0].compilation_config.mode: 0 (no compilation) or 1-3 (compile the thinker's decoder layer), "
+            f"got {config.encoder.compilation_config.mode}"
+        )
     sizes = config.encoder.compilation_config.cudagraph_capture_sizes
     if any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
         raise ConfigError("stages[0].compilation_config.cudagraph_capture_sizes: must be increasing positive sizes")

@@ -159,9 +159,13 @@ class AuKPipeline:
                 log.info("vae activations: %s", use_fast_activations(vae, device))
                 self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
+        encoder.max_rows = deploy.encoder.max_num_seqs  # prompts per thinker pass (render_batch)
         if device.type == "cuda" and not deploy.encoder.enforce_eager:
-            sizes = deploy.encoder.compilation_config.cudagraph_capture_sizes
-            if deploy.encoder.compilation_config.cudagraph_mode != "NONE" and sizes:
+            compilation = deploy.encoder.compilation_config
+            if compilation.mode > 0 and encoder.compile_layers():
+                log.info("thinker: decoder layer compiled (compilation_config.mode %d)", compilation.mode)
+            sizes = compilation.cudagraph_capture_sizes
+            if compilation.cudagraph_mode != "NONE" and sizes:
                 encoder.graphs = EncoderGraphs(encoder, sizes)
                 # The audio tower replays one graph per chunk count of the reference clip (all captured at warm-up).
                 encoder.trunk.audio_runner = AudioTowerGraphs(AudioTowerRunner(encoder.trunk.audio_tower))
@@ -299,7 +303,9 @@ class AuKPipeline:
 
     def render(self, request: RenderRequest, on_step: StepCallback | None = None) -> RenderResult:
         """Render one request; bad input raises an InputError, a model failure a ModelError."""
-        job = self._conditioned(request)
+        (job,) = self._encode_prompts([self._conditioned(request)])
+        if isinstance(job, Exception):
+            raise job
         (result,) = self._render_group([job], on_step)
         if isinstance(result, Exception):
             raise result
@@ -308,10 +314,11 @@ class AuKPipeline:
     def render_batch(
         self, requests: list[RenderRequest], on_step: StepCallback | None = None
     ) -> list[RenderResult | AuKError]:
-        """Render compatible requests in shared DiT passes; each keeps its own seed, output and failure.
+        """Render compatible requests in shared passes; each keeps its own seed, output and failure.
 
-        Requests are grouped by schedule (grid and guidance) and, within a group, packed longest first while
-        ``rows x longest row's positions`` stays within the deploy config's position budget and ``max_num_seqs``.
+        The prompts go through the thinker up to the deploy config's stage 0 ``max_num_seqs`` at a time. Requests
+        are then grouped by schedule (grid and guidance) and, within a group, packed longest first while
+        ``rows x longest row's positions`` stays within the position budget and stage 1's ``max_num_seqs``.
         A request that fails validation or conditioning gets its error in its slot; its neighbours go on.
         """
         results: list[RenderResult | AuKError | None] = [None] * len(requests)
@@ -321,7 +328,13 @@ class AuKPipeline:
                 jobs.append(self._conditioned(request, index))
             except (InputError, ModelError) as exc:
                 results[index] = exc
-        for group in self._pack(jobs):
+        encoded: list[_Job] = []
+        for job, outcome in zip(jobs, self._encode_prompts(jobs)):
+            if isinstance(outcome, Exception):
+                results[job.index] = outcome
+            else:
+                encoded.append(outcome)
+        for group in self._pack(encoded):
             for job, result in zip(group, self._render_group(group, on_step)):
                 results[job.index] = result
         return results  # type: ignore[return-value]
@@ -345,7 +358,8 @@ class AuKPipeline:
         return groups
 
     def _conditioned(self, request: RenderRequest, index: int = 0) -> _Job:
-        """Validate a request and run what is per request: the thinker, the reference encode, the noise draw."""
+        """Validate a request and run what is per request: the prompt's embeddings (processor, audio tower), the
+        reference encode, the noise draw. The thinker's text model runs after, for several jobs at once."""
         if not request.instruction or not request.instruction.strip():
             raise InputError("instruction must be a non-empty string")
         schedule = self.schedule(request)
@@ -362,7 +376,7 @@ class AuKPipeline:
             if request.audio is not None:
                 # The thinker hears the ORIGINAL clip at 16 kHz, not the 24 kHz copy the VAE encodes.
                 audio_16k = resample(request.audio.samples, request.audio.sample_rate, THINKER_SAMPLE_RATE)
-            text, text_mask = self.encoder.encode(request.instruction, audio_16k)  # [1, nt, dt], [1, nt]
+            embeds = self.encoder.embed(request.instruction, audio_16k)  # [nt, dt]
             timings["encode"] = self._clock() - started
 
             started = self._clock()
@@ -380,12 +394,43 @@ class AuKPipeline:
         return _Job(
             index=index,
             schedule=schedule,
-            text=text[0, : int(text_mask.sum())],
+            embeds=embeds,
             ref=ref,
             ref_valid=ref_valid,
             noise=noise[0],
             timings=timings,
         )
+
+    def _encode_prompts(self, jobs: list[_Job]) -> list[_Job | ModelError]:
+        """The thinker's text model over the jobs' prompt embeddings, ``encoder.max_rows`` jobs a pass: each job
+        with its fused condition set, or the ModelError it met. A pass that fails is retried one job at a time,
+        so a failure stays with the job that caused it. Each job is charged an equal share of its pass."""
+        outcomes: list[_Job | ModelError] = []
+        rows = self.encoder.max_rows
+        for start in range(0, len(jobs), rows):
+            chunk = jobs[start : start + rows]
+            try:
+                outcomes.extend(self._encode_pass(chunk))
+            except ModelError as exc:
+                if len(chunk) == 1:
+                    outcomes.append(exc)
+                    continue
+                for job in chunk:
+                    try:
+                        outcomes.extend(self._encode_pass([job]))
+                    except ModelError as alone:
+                        outcomes.append(alone)
+        return outcomes
+
+    def _encode_pass(self, jobs: list[_Job]) -> list[_Job]:
+        started = self._clock()
+        with torch.inference_mode(), _oom_as_model_error(max(job.frames for job in jobs)):
+            conditions = self.encoder.conditions([job.embeds for job in jobs])  # [nt_i, dt] fp32 each
+        share = (self._clock() - started) / len(jobs)
+        for job, condition in zip(jobs, conditions):
+            job.text = condition
+            job.timings["encode"] += share
+        return jobs
 
     def _render_group(self, group: list[_Job], on_step: StepCallback | None) -> list[RenderResult | AuKError]:
         """One DiT pass over the group (padded and masked to a common shape), then decodes by length."""
@@ -492,11 +537,12 @@ class _Job:
 
     index: int
     schedule: Schedule
-    text: torch.Tensor  # [nt, dt] fused condition, valid tokens only
+    embeds: torch.Tensor  # [nt, dt] the prompt's input embeddings (processor, audio tower, token lookup)
     ref: torch.Tensor | None  # [np, l] normalised reference latents
     ref_valid: int  # reference frames attention may see (<= np)
     noise: torch.Tensor  # [n, l] fp32, from the job's own generator
     timings: dict[str, float]
+    text: torch.Tensor | None = None  # [nt, dt] fused condition, set by AuKPipeline._encode_prompts
 
     @property
     def frames(self) -> int:
@@ -504,7 +550,7 @@ class _Job:
 
     @property
     def positions(self) -> int:
-        return self.text.shape[0] + (0 if self.ref is None else self.ref.shape[0]) + self.frames
+        return self.embeds.shape[0] + (0 if self.ref is None else self.ref.shape[0]) + self.frames
 
 
 def _round_up(value: int, step: int) -> int:

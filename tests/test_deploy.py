@@ -18,9 +18,12 @@ def raw_config() -> dict:
     return yaml.safe_load((ROOT / "config" / "auk.yaml").read_text())
 
 
-@pytest.mark.parametrize("name", ["auk.yaml", "auk-flash.yaml"])
-def test_shipped_configs_parse(name):
+@pytest.mark.parametrize(
+    "name, thinker_mode, thinker_rows", [("auk.yaml", 0, 1), ("auk-flash.yaml", 3, 1), ("auk-bulk.yaml", 3, 8)]
+)
+def test_shipped_configs_parse(name, thinker_mode, thinker_rows):
     config = load_deploy_config(ROOT / "config" / name)
+    assert config.encoder.compilation_config.mode == thinker_mode and config.encoder.max_num_seqs == thinker_rows
     assert config.encoder.compilation_config.cudagraph_capture_sizes == (64, 128, 192, 256, 384, 512)
     assert config.dit.model_config.auk_vae_compile_shapes == (160, 320, 640)
     assert config.dit.model_config.max_dit_graphs == 32
@@ -65,6 +68,7 @@ def mutate(path: list, value) -> dict:
         (["stages", 1, "model_config", "bogus"], 1, r"stages\[1\].model_config.bogus: unknown field"),
         (["stages", 0, "gpu_memory_utilization"], 1.5, r"stages\[0\].gpu_memory_utilization: must be in \(0, 1\]"),
         (["stages", 0, "compilation_config", "cudagraph_mode"], "SOMETIMES", "cudagraph_mode: must be one of"),
+        (["stages", 0, "compilation_config", "mode"], 4, r"stages\[0\].compilation_config.mode: 0 \(no compilation\)"),
         (["stages", 0, "limit_mm_per_prompt"], {"audio": 2}, "at most one audio clip"),
         (["stages", 1, "default_sampling_params", "num_inference_steps"], 0, "num_inference_steps: must be in"),
         (["stages", 1, "devices"], "gpu0", r"stages\[1\].devices: expected CUDA device indices"),

@@ -21,6 +21,8 @@ from auk_worker.model.encoder import (
     ThinkerEncoder,
     fuse_hidden_states,
     render_prompt,
+    thinker_layer,
+    written_out_supported,
 )
 from auk_worker.model.tiny_qwen import write_tiny_qwen
 
@@ -357,13 +359,19 @@ def test_last_hidden_state_is_the_final_normed_last_layer(encoder, processor):
         torch.testing.assert_close(hidden[-1], encoder.trunk.model.norm(pre_norm), rtol=0, atol=0)
 
 
-def test_trunk_matches_the_transformers_thinker_forward(encoder, processor, snapshot):
-    """The trunk (no vision tower, own audio merge and positions) reproduces the full thinker's hidden states."""
+@pytest.fixture(scope="module")
+def reference_thinker(snapshot):
+    """transformers' whole thinker (vision tower and LM head included), fp32: what upstream runs."""
     from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
-    reference = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+    return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
         snapshot, attn_implementation="sdpa", torch_dtype=torch.float32
     ).eval()
+
+
+def test_trunk_matches_the_transformers_thinker_forward(encoder, processor, reference_thinker):
+    """The trunk (no vision tower, own audio merge and positions) reproduces the full thinker's hidden states."""
+    reference = reference_thinker
     for audio in (clip(3.7), None):
         batch = processor(INSTRUCTION, audio)
         with torch.inference_mode():
@@ -383,3 +391,79 @@ def test_bfloat16_weights_stay_close_and_fuse_in_fp32(encoder, snapshot, fusion)
     assert approx.dtype == torch.float32 and approx.shape == exact.shape
     cosine = torch.nn.functional.cosine_similarity(approx.flatten(), exact.flatten(), dim=0)
     assert cosine > 0.99
+
+
+def test_written_out_layers_give_the_transformers_thinker_condition(encoder, processor, fusion, reference_thinker):
+    """encode (the written-out decoder layers with the fusion folded in) against the fusion of the full
+    transformers thinker's hidden states, text-only and with a clip."""
+    assert encoder.fallback is None, "the tiny thinker is a config the written-out layers cover"
+    for audio in (clip(3.7), None):
+        with torch.inference_mode():
+            hidden = reference_thinker(**processor(INSTRUCTION, audio), output_hidden_states=True).hidden_states
+            expected = fuse_hidden_states(hidden, *fusion)
+            condition, _ = encoder.encode(INSTRUCTION, audio)
+        torch.testing.assert_close(condition, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_text_model_stands_in_where_the_layers_do_not_apply(encoder, processor):
+    config = encoder.trunk.model.config
+    assert written_out_supported(config) is None
+    sliding = config.__class__.from_dict({**config.to_dict(), "layer_types": ["sliding_attention"] * TINY_LAYERS})
+    assert written_out_supported(sliding) == "sliding-window layers"
+    scaled = config.__class__.from_dict(
+        {**config.to_dict(), "rope_parameters": {**config.rope_parameters, "rope_type": "linear", "factor": 2.0}}
+    )
+    assert "linear" in written_out_supported(scaled)
+
+    written_out, _ = encoder.encode(INSTRUCTION, clip(1.0))
+    encoder.fallback = "a test"
+    try:
+        assert not encoder.compile_layers()
+        transformers_path, _ = encoder.encode(INSTRUCTION, clip(1.0))
+    finally:
+        encoder.fallback = None
+    torch.testing.assert_close(written_out, transformers_path, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_batched_in_one_pass_give_their_own_conditions(encoder):
+    """conditions() right-pads prompts of different lengths into passes of max_rows: each prompt's condition is
+    the one it gets alone (causal attention never lets the padding in)."""
+    prompts = [("Whisper.", None), (INSTRUCTION, clip(2.3)), (INSTRUCTION * 3, None), ("Shout it.", clip(0.7))]
+    embeds = [encoder.embed(instruction, audio) for instruction, audio in prompts]
+    alone = [encoder.encode(instruction, audio)[0][0] for instruction, audio in prompts]
+    assert len({e.shape[0] for e in embeds}) == len(prompts), "prompts of four different lengths"
+    encoder.max_rows = 3  # a pass of three, then a pass of one
+    try:
+        together = encoder.conditions(embeds)
+    finally:
+        encoder.max_rows = 1
+    assert [c.shape for c in together] == [a.shape for a in alone]
+    for batched, single in zip(together, alone):
+        torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+
+
+def test_one_compilation_serves_every_layer_and_length(encoder):
+    """The decoder layer is one function of its weights: compiled once for all layers and prompt lengths (one
+    more for batches of several prompts), so the worker's start-up compiles it twice, not per layer or size."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(thinker_layer, fullgraph=True, dynamic=True, backend=counting_backend)
+    d = TINY_HIDDEN
+    encoder.layer = compiled
+    try:
+        with torch.inference_mode():
+            for rows, nt in ((1, 7), (1, 19), (3, 11), (2, 5)):
+                embeds = torch.randn(rows, nt, d)
+                encoder.layer = thinker_layer
+                expected = encoder.fuse(embeds)
+                encoder.layer = compiled
+                torch.testing.assert_close(encoder.fuse(embeds), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        encoder.layer = thinker_layer
+        torch._dynamo.reset()
+    assert len(graphs) == 2, f"{len(graphs)} compilations"

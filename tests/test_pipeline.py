@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from auk_worker.checkpoint import read_release
-from auk_worker.errors import AudioError, CheckpointError, InputError
+from auk_worker.errors import AudioError, CheckpointError, InputError, ModelError
 from auk_worker.model.dit import _grouped_conv_as_bmm
 from auk_worker.model.sampling import FLASH_T_GRID
 from auk_worker.pipeline import AuKPipeline
@@ -102,8 +102,11 @@ def test_global_rng_is_untouched(pipes):
     assert torch.equal(state, torch.get_rng_state())
 
 
-def test_batch_matches_one_at_a_time_and_isolates_failures(pipes):
+@pytest.mark.parametrize("thinker_rows", [1, 3])
+def test_batch_matches_one_at_a_time_and_isolates_failures(pipes, thinker_rows, monkeypatch):
+    """With the prompts through the thinker one at a time or three to a pass (stage 0's max_num_seqs)."""
     pipe = pipes["base"]
+    monkeypatch.setattr(pipe.encoder, "max_rows", thinker_rows)
     requests = [
         RenderRequest(INSTRUCT, gen_seconds=0.4, num_inference_steps=3, seed=1),
         RenderRequest(INSTRUCT + " Longer.", gen_seconds=0.7, num_inference_steps=3, seed=2),
@@ -116,6 +119,34 @@ def test_batch_matches_one_at_a_time_and_isolates_failures(pipes):
         alone = pipe.render(requests[index])
         assert batched[index].seed == alone.seed
         np.testing.assert_allclose(batched[index].waveform, alone.waveform, atol=1e-5)
+
+
+def test_a_failing_thinker_pass_fails_only_the_job_that_causes_it(pipes, monkeypatch):
+    """A pass of several prompts that fails is retried one prompt at a time: the others render."""
+    pipe = pipes["base"]
+    monkeypatch.setattr(pipe.encoder, "max_rows", 4)
+    conditions = pipe.encoder.conditions
+    poisoned = pipe.encoder.embed("Poisoned.", None).shape[0]  # the prompt length that fails
+
+    def failing(embeds):
+        if any(e.shape[0] == poisoned for e in embeds):
+            raise ModelError("the thinker failed")
+        return conditions(embeds)
+
+    monkeypatch.setattr(pipe.encoder, "conditions", failing)
+    requests = [
+        RenderRequest(INSTRUCT, gen_seconds=0.4, num_inference_steps=2, seed=1),
+        RenderRequest("Poisoned.", gen_seconds=0.4, num_inference_steps=2, seed=2),
+        RenderRequest(INSTRUCT + " Longer.", gen_seconds=0.4, num_inference_steps=2, seed=3),
+    ]
+    assert len({pipe.encoder.embed(r.instruction, None).shape[0] for r in requests}) == 3
+    results = pipe.render_batch(requests)
+    assert isinstance(results[1], ModelError) and "the thinker failed" in str(results[1])
+    for index in (0, 2):
+        assert results[index].waveform.shape == (int(0.4 * SAMPLE_RATE),)
+        assert results[index].timings["encode"] > 0
+    with pytest.raises(ModelError, match="the thinker failed"):
+        pipe.render(requests[1])
 
 
 def test_long_target_decodes_in_tiles_like_a_whole_decode(pipes):

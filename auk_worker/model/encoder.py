@@ -11,9 +11,11 @@ What this file owns, top to bottom:
   embedding, without the image/video processors (and so without torchvision).
 - ``fuse_hidden_states``: the fusion, always in fp32.
 - ``ThinkerTrunk``: the thinker's text model and audio tower only; no vision tower, no LM head.
-- ``ThinkerEncoder``: strict loading from a Qwen2.5-Omni snapshot and ``encode``.
+- ``thinker_layer``: one decoder layer written out, with the fusion of the hidden state it reads; the encoder's
+  path through the text model (one compilable function for every layer, right-padded prompts in a batch).
+- ``ThinkerEncoder``: strict loading from a Qwen2.5-Omni snapshot, ``embed``, ``conditions`` and ``encode``.
 
-Shapes: b batch (always 1 here), nt prompt tokens (audio placeholders included), na audio tokens,
+Shapes: b prompts in a batch, nt prompt tokens (audio placeholders included), na audio tokens,
 m mel bins (128), f mel frames, d thinker hidden size (2048 at release), k fused layers (36 at release).
 """
 
@@ -335,6 +337,68 @@ class ThinkerTrunk(nn.Module):
         return tuple(out.hidden_states)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The text model, one decoder layer at a time
+
+
+def written_out_supported(text_config) -> str | None:
+    """Why the written-out layers cannot stand in for transformers' text model under this config (None: they can).
+
+    They cover what Qwen2.5-Omni's thinker uses: full causal attention in every layer and the default rotary
+    frequencies with M-RoPE sections that all read one position index (text and audio, no images or video)."""
+    if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or ()):
+        return "sliding-window layers"
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope_type {rope.get('rope_type')!r}"
+    return None
+
+
+def rotary_tables(rotary: nn.Module, nt: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin [nt, dh] for positions 0..nt-1, as the model's rotary module makes them: fp32 angles, then the
+    model's dtype. M-RoPE's sections all read the same index here, so its recomposition is the identity."""
+    positions = torch.arange(nt, device=rotary.inv_freq.device, dtype=torch.float32)
+    angles = positions[:, None] * rotary.inv_freq.float()[None, :]  # [nt, dh / 2]
+    angles = torch.cat((angles, angles), dim=-1)
+    scaling = rotary.attention_scaling
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+
+
+def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
+    """Qwen's RMSNorm with its rounding: normalised in fp32, back to x's dtype, then the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [b, heads, nt, dh]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def thinker_layer(
+    layer: nn.Module, h: Tensor, fused: Tensor, weight: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One decoder layer over right-padded prompts, h [b, nt, d] -> [b, nt, d], and the fusion of the state it
+    reads: ``fused + weight * LN(h)`` in fp32 (a weight of 0 adds exactly nothing, for the embeddings).
+
+    The arithmetic is transformers' (RMSNorm rounding, rotary in the model dtype, causal SDPA with grouped
+    key-value heads); attention is causal, so padding after a prompt never reaches its positions. One function for
+    every layer (weights are arguments), so ``torch.compile`` builds it once for all of them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    b, nt, _ = h.shape
+    dh = attn.head_dim
+    fused = fused + weight * F.layer_norm(h.float(), (h.shape[-1],), eps=FUSION_LN_EPS)
+    x = _rms_norm(h, layer.input_layernorm)
+    q, k, v = (proj(x).view(b, nt, -1, dh).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+    h = h + attn.o_proj(out.transpose(1, 2).reshape(b, nt, -1))
+    x = _rms_norm(h, layer.post_attention_layernorm)
+    h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    return h, fused
+
+
 def _snapshot_tensor_files(qwen_dir: Path) -> dict[str, Path]:
     """Map every tensor key of the snapshot to its safetensors file (sharded with an index, or single)."""
     index = qwen_dir / "model.safetensors.index.json"
@@ -419,7 +483,8 @@ def load_thinker_trunk(qwen_dir: Path, device: torch.device, dtype: torch.dtype)
 
 
 class ThinkerEncoder:
-    """Prompt -> fused thinker condition. Load once; ``encode`` per request (no state kept between calls)."""
+    """Prompt -> fused thinker condition. Load once; ``encode`` per request (no state kept between calls), or
+    ``embed`` each prompt and take their ``conditions`` together (one text-model pass for up to ``max_rows``)."""
 
     def __init__(
         self, processor: PromptProcessor, trunk: ThinkerTrunk, layer_weights: Tensor, layer_scale: Tensor
@@ -431,6 +496,14 @@ class ThinkerEncoder:
         self.layer_scale = layer_scale.detach().to(self.device, torch.float32)
         self.hidden_size = trunk.model.config.hidden_size
         self.graphs = None  # set by the GPU fast path: replays `fuse` from CUDA graphs at fixed prompt sizes
+        self.max_rows = 1  # prompts per text-model pass: the deploy config's stage 0 max_num_seqs
+        # None: the text model runs as written-out layers (thinker_layer); otherwise why transformers' own runs.
+        self.fallback = written_out_supported(trunk.model.config)
+        self.layer = thinker_layer  # compile_layers() swaps in its compiled form
+        weights = torch.softmax(self.layer_weights.flatten(), dim=0)  # [k]
+        # Layer i's call fuses the state it reads (layer i-1's output, weight i-1); the embeddings get weight 0.
+        self._read_weights = (torch.zeros((), device=self.device), *weights[:-1])
+        self._last_weight = weights[-1]
 
     @classmethod
     def load(
@@ -459,16 +532,55 @@ class ThinkerEncoder:
         )
         return cls(processor, trunk, layer_weights, layer_scale)
 
+    def compile_layers(self) -> bool:
+        """``torch.compile`` the decoder layer (one compilation serves all of them and every prompt length; one
+        more for batches of several prompts). False where transformers' text model runs instead."""
+        if self.fallback is not None:
+            logger.info("thinker: not compiled (%s: transformers' text model runs)", self.fallback)
+            return False
+        self.layer = torch.compile(thinker_layer, fullgraph=True, dynamic=True)
+        return True
+
     @torch.inference_mode()
     def encode(self, instruction: str, audio_16k: np.ndarray | None) -> tuple[Tensor, Tensor]:
-        """One thinker forward: (fused condition fp32 [1, nt, d], text mask bool [1, nt])."""
+        """One prompt: (fused condition fp32 [1, nt, d], text mask bool [1, nt])."""
+        (condition,) = self.conditions([self.embed(instruction, audio_16k)])
+        return condition[None], torch.ones(condition.shape[:1], dtype=torch.bool, device=self.device)[None]
+
+    @torch.inference_mode()
+    def embed(self, instruction: str, audio_16k: np.ndarray | None) -> Tensor:
+        """The prompt's input embeddings [nt, d]: the processor (CPU), the audio tower, the token lookup. Bad input
+        raises here, before any prompt joins a batch."""
         batch = {name: t.to(self.device) for name, t in self.processor(instruction, audio_16k).items()}
         embeds = self.trunk.embed(batch["input_ids"], batch.get("input_features"), batch.get("feature_attention_mask"))
-        condition = self.graphs.fuse(embeds) if self.graphs is not None else None  # [1, nt, d] or None
-        if condition is None:
-            condition = self.fuse(embeds)
-        return condition, batch["attention_mask"].bool()
+        return embeds[0]
+
+    @torch.inference_mode()
+    def conditions(self, embeds: Sequence[Tensor]) -> list[Tensor]:
+        """Fused conditions fp32 [nt_i, d] of prompt embeddings [nt_i, d], ``max_rows`` prompts per text-model pass,
+        each right-padded to the pass's longest (causal attention: the padding never reaches a prompt)."""
+        conditions: list[Tensor] = []
+        for start in range(0, len(embeds), self.max_rows):
+            chunk = embeds[start : start + self.max_rows]
+            batch = chunk[0].new_zeros(len(chunk), max(e.shape[0] for e in chunk), chunk[0].shape[-1])
+            for row, prompt in enumerate(chunk):
+                batch[row, : prompt.shape[0]] = prompt
+            fused = self.graphs.fuse(batch) if self.graphs is not None else None  # None: too long for a graph
+            if fused is None:
+                fused = self.fuse(batch)
+            conditions.extend(fused[row, : prompt.shape[0]] for row, prompt in enumerate(chunk))
+        return conditions
 
     def fuse(self, embeds: Tensor) -> Tensor:
-        """Embeddings [1, nt, d] -> fused condition fp32 [1, nt, d] (the text model and the layer fusion)."""
-        return fuse_hidden_states(self.trunk.text_hidden_states(embeds), self.layer_weights, self.layer_scale)
+        """Embeddings [b, nt, d] -> fused condition fp32 [b, nt, d] (the text model and the layer fusion)."""
+        model = self.trunk.model
+        if self.fallback is not None:
+            hidden_states = self.trunk.text_hidden_states(embeds)
+            return fuse_hidden_states(hidden_states, self.layer_weights, self.layer_scale)
+        cos, sin = rotary_tables(model.rotary_emb, embeds.shape[1], embeds.dtype)
+        h, fused = embeds, torch.zeros(embeds.shape, dtype=torch.float32, device=embeds.device)
+        for layer, weight in zip(model.layers, self._read_weights):
+            h, fused = self.layer(layer, h, fused, weight, cos, sin)
+        # The last state the fusion reads is the final-normed one, as in transformers' hidden_states.
+        fused = fused + self._last_weight * F.layer_norm(model.norm(h).float(), (h.shape[-1],), eps=FUSION_LN_EPS)
+        return fused * self.layer_scale.reshape(())
