@@ -83,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * args.rows * (positions * 2 * position_weights(dit) + 4 * positions**2 * 1536 * blocks)
     grid = time_grid(32, -1.0).cuda()
     # (name, model, padding, DiT settings): without padding nothing is masked; padded, the masked keys go through
-    # FlashAttention's variable-length kernel or through masked SDPA. q, k, v come from the attention-inputs kernel
-    # and the adaptive norms from the modulated-norm kernel, or from torch ops (inductor's fusion when compiled).
-    kernels = {"varlen_attention": True, "inputs_kernel": True, "norm_kernel": True}
+    # the hand-written variable-length kernel, FlashAttention's, or masked SDPA. q, k, v come from the
+    # attention-inputs kernel and the adaptive norms from the modulated-norm kernel, or from torch ops (inductor's
+    # fusion when compiled).
+    kernels = {"varlen_attention": True, "attention_kernel": True, "inputs_kernel": True, "norm_kernel": True}
     variants = [
         ("exact", dit, 0, kernels),
         ("padded", dit, 7, kernels),
+        ("padded, FlashAttention", dit, 7, {**kernels, "attention_kernel": False}),
         ("padded, masked SDPA", dit, 7, {**kernels, "varlen_attention": False}),
         ("padded, torch inputs", dit, 7, {**kernels, "inputs_kernel": False}),
         ("padded, torch norms", dit, 7, {**kernels, "norm_kernel": False}),

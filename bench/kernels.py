@@ -144,7 +144,8 @@ def norm_kernels(positions: int) -> None:
 
 def attention_backends(length: int, padding: int = 5) -> None:
     """One block's joint attention (CFG rows, 24 heads of 64) per SDPA backend, with and without a key mask, and
-    the padding-free forms a captured graph can use (the visible count read on the device)."""
+    the padding-free forms a captured graph can use (the visible count read on the device); microseconds a call
+    replayed from a graph of 50 calls."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (torch.randn(2, 24, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -155,7 +156,7 @@ def attention_backends(length: int, padding: int = 5) -> None:
 
     def report(name: str, call, masked: bool = True) -> None:
         try:
-            elapsed = timed(lambda: [call() for _ in range(20)], 10) / 20
+            elapsed = replayed(call)
         except RuntimeError as exc:
             print(f"   {name:40s} unsupported ({str(exc)[:60]})", flush=True)
             return
@@ -186,6 +187,25 @@ def attention_backends(length: int, padding: int = 5) -> None:
 
     report("flash varlen, no seqused_k", lambda: flash(None), masked=False)
     report("flash varlen, seqused_k", lambda: flash(used))
+
+    # The hand-written Triton kernel on the same packed inputs: at its launch settings, then a sweep of them.
+    from auk_worker.model import varlen_attention_kernel as varlen
+
+    def triton_varlen(launch=None):
+        try:
+            out = varlen.varlen_attention(packed_q, packed_k, packed_v, starts, used, length, launch=launch)
+        except Exception as exc:  # a setting Triton cannot compile (shared memory, registers): reported, not fatal
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        return out.view(2, length, 24, 64).transpose(1, 2)
+
+    if varlen.available(q.device, q.dtype, 64):
+        report(f"triton varlen {varlen.launch_settings()}", triton_varlen)
+        print("   (BLOCK_M, BLOCK_N, warps, stages) swept:", flush=True)
+        for launch in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2),
+                       (128, 32, 4, 3), (64, 32, 4, 4), (128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 2, 3)):
+            report(f"triton varlen {launch}", lambda launch=launch: triton_varlen(launch))
+    else:
+        print("   triton varlen                           unavailable (no Triton)", flush=True)
 
     # Exact masking without a mask: one more head channel, 1 on every query and -30000 on a hidden key (0 on a
     # visible one), so a hidden key scores -30000 / sqrt(64) and its softmax weight underflows to exactly 0.

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample
+from auk_worker.deploy import load_deploy_config
+from auk_worker.model import varlen_attention_kernel
 from auk_worker.model.dit import varlen_attention_supported
 from auk_worker.model.fp8 import block_linears
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
@@ -128,6 +130,13 @@ def throughput(pipe, jobs: int, seconds: float, batch: int, budget: int) -> dict
     }
 
 
+def padded_attention(dit, args: argparse.Namespace) -> str:
+    if args.masked_attention or not varlen_attention_supported(dit.device, dit.dtype, dit.config.dim_head):
+        return "masked SDPA"
+    kernel = not args.flash_attention and varlen_attention_kernel.available(dit.device, dit.dtype, dit.config.dim_head)
+    return "variable-length, " + ("hand-written kernel" if kernel else "FlashAttention")
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.tiny:
         from auk_worker.pipeline import AuKPipeline
@@ -143,10 +152,17 @@ def run(args: argparse.Namespace) -> dict:
 
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        base = random_pipeline("base", args.device, args.precision, compile_blocks=not args.no_compile,
+        deploy = load_deploy_config()
+        if args.thinker_mode is not None:
+            encoder = dataclasses.replace(deploy.encoder, compilation_config=dataclasses.replace(
+                deploy.encoder.compilation_config, mode=args.thinker_mode))
+            deploy = dataclasses.replace(deploy, stages=(encoder, deploy.dit))
+        base = random_pipeline("base", args.device, args.precision, deploy=deploy, compile_blocks=not args.no_compile,
                                vae_fast_paths=not args.plain_vae)
         if args.masked_attention:
             base.dit.varlen_attention = False
+        if args.flash_attention:
+            base.dit.attention_kernel = False
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
         flash = base.sharing_weights(release=flash)
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
@@ -206,8 +222,8 @@ def run(args: argparse.Namespace) -> dict:
         "graphs": base.step_graphs is not None,
         "compiled_blocks": not args.no_compile and base.step_graphs is not None,
         "vae_fast_paths": base.encode_graphs is not None,
-        "padded_attention": "masked SDPA" if args.masked_attention or not varlen_attention_supported(
-            base.dit.device, base.dit.dtype, base.dit.config.dim_head) else "variable-length FlashAttention",
+        "padded_attention": padded_attention(base.dit, args),
+        "thinker_compilation_mode": base.deploy.encoder.compilation_config.mode,
         "runs": args.runs,
         "startup_s": startup,
         "latency": table,
@@ -230,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the VAE's convolution activations and eager reference encode (no VAE fast paths)")
     parser.add_argument("--masked-attention", action="store_true",
                         help="masked SDPA for padded sequences (no variable-length FlashAttention)")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="FlashAttention's variable-length kernel for padded sequences (not the hand-written one)")
+    parser.add_argument("--thinker-mode", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="stage 0's compilation mode (default: the deploy config's; 1-3 compile the thinker)")
     parser.add_argument("--throughput", type=int, default=0, metavar="JOBS",
                         help="measure bulk throughput over JOBS 6 s instruct jobs instead of latency")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="jobs per DiT pass (throughput)")
@@ -253,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         + ["throughput"] * bool(args.throughput)
         + [args.precision] * (args.precision != "fast")
         + ["masked-attention"] * args.masked_attention
+        + ["flash-attention"] * args.flash_attention
+        + [f"thinker-mode-{args.thinker_mode}"] * (args.thinker_mode is not None)
         + ["eager-kernels"] * args.no_compile
         + ["plain-vae"] * args.plain_vae
     )

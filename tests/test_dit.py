@@ -338,6 +338,34 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
     assert_valid_frames_close(outputs[True], outputs[False])
 
 
+def test_the_hand_written_attention_kernel_takes_the_variable_length_calls(monkeypatch) -> None:
+    """With ``attention_kernel`` the variable-length calls go to the hand-written kernel (here its torch reference)
+    instead of FlashAttention's, over the same packed rows and counts: the same velocity."""
+    from auk_worker.model import varlen_attention_kernel
+
+    calls = []
+    monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append("flash") or reference_varlen_attention(*a))
+    monkeypatch.setattr(varlen_attention_kernel, "varlen_attention",
+                        lambda *a: calls.append("kernel") or varlen_attention_kernel.varlen_attention_reference(*a))  # fmt: skip
+    model = make_model(seed=6)
+    model.varlen_attention = True
+    text, ref, x, lens, n, t = padded_rows(seed=63)
+    outputs = {}
+    with torch.no_grad():
+        for kernel in (False, True):
+            model.attention_kernel = kernel
+            ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=True)
+            assert ctx.joint.visible_keys.kernel == ctx.single.visible_keys.kernel == kernel
+            outputs[kernel] = model(x, t, ctx)
+    blocks = TINY.num_layers + TINY.num_single_layers
+    assert calls == ["flash"] * blocks + ["kernel"] * blocks
+    assert_valid_frames_close(outputs[True], outputs[False])
+    model.attention_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    with torch.no_grad():
+        ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=True)
+    assert not ctx.single.visible_keys.kernel
+
+
 @pytest.mark.parametrize("cfg", [False, True])
 def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
     """The GPU's form of the attention inputs (one call per attention from the qkv projection to q, k, v, the

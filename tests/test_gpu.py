@@ -101,13 +101,18 @@ def test_batched_matches_alone(pipe):
         RenderRequest('Generate speech based on the following description: "Deep." The content to speak is: "Yes."',
                       gen_seconds=6.0, seed=3),
     ]
-    batched = pipe.render_batch(requests)
-    for request, together in zip(requests, batched):
-        alone = pipe.render(request).waveform
-        assert together.waveform.shape == alone.shape
-        diff = rel_diff(together.waveform, alone)
-        print(f"batched vs alone relative L2 difference: {diff:.3e}")
-        assert diff < 0.05
+    for thinker_rows in (1, 3):  # the prompts through the thinker alone, then in one pass (auk-bulk.yaml's way)
+        pipe.encoder.max_rows = thinker_rows
+        try:
+            batched = pipe.render_batch(requests)
+        finally:
+            pipe.encoder.max_rows = 1
+        for request, together in zip(requests, batched):
+            alone = pipe.render(request).waveform
+            assert together.waveform.shape == alone.shape
+            diff = rel_diff(together.waveform, alone)
+            print(f"batched ({thinker_rows} prompt(s) a thinker pass) vs alone relative L2 difference: {diff:.3e}")
+            assert diff < 0.05
 
 
 PADDED_LENS = ([217, 190], [250, 175], [300, 280])  # per row: prompt tokens, reference frames, target frames
@@ -142,6 +147,27 @@ def test_variable_length_attention_matches_masked_attention(pipe):
     """The DiT with FlashAttention over each row's visible keys against the same DiT with masked SDPA."""
     velocity = padded_cfg_velocity(pipe.dit, "varlen_attention", (True, False), seed=2)
     compare_valid_frames("variable-length vs masked attention", velocity[True], velocity[False], 2e-2)
+
+
+def test_hand_written_attention_kernel_matches_flash_attention(pipe):
+    """The hand-written variable-length kernel alone at release widths (against an fp32 reference: 2 rows of 774
+    positions and 16 of 556, some keys hidden), and in the release-size DiT's compiled blocks against
+    FlashAttention's kernel (a padded CFG batch, bf16)."""
+    from auk_worker.model.varlen_attention_kernel import varlen_attention, varlen_attention_reference
+
+    generator = torch.Generator("cuda").manual_seed(8)
+    for rows, m in ((2, 774), (16, 556)):
+        q, k, v = (torch.randn(rows * m, 24, 64, device="cuda", generator=generator).to(torch.bfloat16)
+                   for _ in range(3))  # fmt: skip
+        starts = torch.arange(rows + 1, dtype=torch.int32, device="cuda") * m
+        count = torch.randint(m // 2, m + 1, (rows,), dtype=torch.int32, device="cuda", generator=generator)
+        with torch.inference_mode():
+            fast = varlen_attention(q, k, v, starts, count, m)
+            reference = varlen_attention_reference(q.float(), k.float(), v.float(), starts, count, m)
+        compare(f"attention kernel, {rows} rows of {m}, against fp32", fast, reference, 4e-3)  # bf16 rounding
+
+    velocity = padded_cfg_velocity(pipe.dit, "attention_kernel", (True, False), seed=9)
+    compare_valid_frames("hand-written attention kernel vs FlashAttention", velocity[True], velocity[False], 2e-2)
 
 
 def test_attention_inputs_kernel_matches_the_torch_form(pipe):
@@ -312,3 +338,41 @@ def test_encode_graphs_match_the_eager_encode(pipe):
             reference = pipe.vae.encode(wav)
         assert reference.shape == (1, pipe.vae.encoded_frames(samples), 64)
         compare(f"vae encode, {samples} samples, graphs vs eager", fast, reference, 1e-3)
+
+
+def test_compiled_thinker_layers_match_the_transformers_text_model(pipe):
+    """The thinker's written-out decoder layers, compiled and replayed from graphs, one prompt and eight to a pass,
+    against transformers' text model (bf16, eager); both against an fp32 copy of the same weights."""
+    import copy
+
+    from auk_worker.accel import EncoderGraphs
+    from auk_worker.model.encoder import ThinkerEncoder
+
+    loaded = pipe.encoder
+    def encoder(trunk=loaded.trunk) -> ThinkerEncoder:
+        return ThinkerEncoder(loaded.processor, trunk, loaded.layer_weights, loaded.layer_scale)
+
+    graphs, loaded.trunk.audio_runner = loaded.trunk.audio_runner, None  # CUDA graphs cannot be copied
+    try:
+        fp32_trunk = copy.deepcopy(loaded.trunk).float()
+    finally:
+        loaded.trunk.audio_runner = graphs
+    fast, transformers_path, exact = encoder(), encoder(), encoder(fp32_trunk)
+    transformers_path.fallback = "the test's reference"
+    fast.max_rows = 8
+    assert fast.compile_layers()
+    fast.graphs = EncoderGraphs(fast, (64, 128, 192, 256))
+    prompts = [INSTRUCT * repeat for repeat in (1, 2, 3, 1, 2, 3, 2, 1)]
+    embeds = [loaded.embed(prompt, None) for prompt in prompts]
+    with torch.inference_mode():
+        together = fast.conditions(embeds)
+        for prompt, batched in zip(embeds[:3], together):
+            (alone,) = fast.conditions([prompt])
+            reference = transformers_path.fuse(prompt[None])[0]
+            fp32 = exact.fuse(prompt[None].float())[0]
+            compare("thinker, compiled layers in a graph, against transformers' bf16", alone, reference, 2e-2)
+            compare("thinker, eight prompts to a pass, against one alone", batched, alone, 1e-2)
+            fast_error, reference_error = (float((c - fp32).norm() / fp32.norm()) for c in (alone, reference))
+            print(f"thinker against fp32: compiled layers {fast_error:.3e}, transformers' bf16 {reference_error:.3e}")
+            assert fast_error < 1.5 * reference_error + 1e-3
+    del exact

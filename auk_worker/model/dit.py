@@ -14,8 +14,9 @@ Precision: works with fp32 weights (exact) or bf16 weights without autocast. The
 ``inv_freq`` and the rotary products stay fp32; values are cast to the weight dtype where they enter a Linear.
 
 Attention: where a context hides keys (batch or bucket padding, a masked reference frame), a GPU in half
-precision runs FlashAttention's variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built
-once in ``prepare``); elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
+precision runs a variable-length kernel over each row's visible keys (:class:`VisibleKeys`, built once in
+``prepare``): the hand-written one (``varlen_attention_kernel``) where Triton runs, else FlashAttention's;
+elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
 There too, q, k and v go from the qkv projection to the attention's input in one kernel
 (``attention_inputs_kernel``: q and k normed and rotated, the double blocks' two streams straight into the joint
 sequence, k and v straight into the visible-first order).
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model import attention_inputs_kernel, modulated_norm_kernel
+from auk_worker.model import attention_inputs_kernel, modulated_norm_kernel, varlen_attention_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class VisibleKeys:
     slot: Tensor  # [bc, m] int32: each key's place in that order (order's inverse)
     count: Tensor  # [bc] int32
     starts: Tensor  # [bc + 1] int32: where each row begins in the rows' packed sequence, row * m
+    kernel: bool = False  # the hand-written kernel (varlen_attention_kernel) instead of FlashAttention's
 
 
 @dataclass(frozen=True)
@@ -378,7 +380,8 @@ def attend(
     if not keys_in_order:
         order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
         k, v = k.gather(1, order), v.gather(1, order)
-    out = varlen_attention(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
+    kernel = varlen_attention_kernel.varlen_attention if visible_keys.kernel else varlen_attention
+    out = kernel(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
     return out.reshape(bc, m, h * dh)
 
 
@@ -546,8 +549,9 @@ def _key_mask(visible: Tensor) -> Tensor | None:
     return None if mask is None else mask[:, None, None, :]  # [bc, m] -> [bc, 1, 1, m]
 
 
-def _visible_keys(key_mask: Tensor | None, enabled: bool) -> VisibleKeys | None:
-    """``key_mask`` [bc, 1, 1, m] as :class:`VisibleKeys` when ``enabled`` (None without a mask)."""
+def _visible_keys(key_mask: Tensor | None, enabled: bool, kernel: bool) -> VisibleKeys | None:
+    """``key_mask`` [bc, 1, 1, m] as :class:`VisibleKeys` when ``enabled`` (None without a mask); ``kernel``: for
+    the hand-written kernel."""
     if key_mask is None or not enabled:
         return None
     visible = key_mask[:, 0, 0, :]  # [bc, m]
@@ -558,6 +562,7 @@ def _visible_keys(key_mask: Tensor | None, enabled: bool) -> VisibleKeys | None:
         slot=torch.argsort(order, dim=1).to(torch.int32),
         count=visible.sum(dim=1, dtype=torch.int32),
         starts=torch.arange(rows + 1, dtype=torch.int32, device=visible.device) * m,
+        kernel=kernel,
     )
 
 
@@ -594,6 +599,8 @@ class AuKDiT(nn.Module):
         self.varlen_attention: bool | None = None
         self.inputs_kernel: bool | None = None
         self.norm_kernel: bool | None = None
+        # The variable-length attention through the hand-written kernel instead of FlashAttention's.
+        self.attention_kernel: bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -677,13 +684,14 @@ class AuKDiT(nn.Module):
         varlen = _switch(self.varlen_attention, varlen_attention_supported(device, dtype, config.dim_head))
         inputs_kernel = _switch(self.inputs_kernel, attention_inputs_kernel.available(device, dtype, config.dim_head))
         norm_kernel = _switch(self.norm_kernel, modulated_norm_kernel.available(device, dtype))
+        attention_kernel = _switch(self.attention_kernel, varlen_attention_kernel.available(device, dtype, config.dim_head))
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
             rope_audio=rope(_positions(audio_present)),
             rope_text=rope(_positions(text_valid)),
             key_mask=joint_mask,
-            visible_keys=_visible_keys(joint_mask, varlen),
+            visible_keys=_visible_keys(joint_mask, varlen, attention_kernel),
             audio_keep=_keep(audio_valid),
             text_keep=_keep(text_valid),
             inputs_kernel=inputs_kernel,
@@ -692,7 +700,7 @@ class AuKDiT(nn.Module):
         single = SingleLayout(
             rope=rope(_positions(single_present)),
             key_mask=single_mask,
-            visible_keys=_visible_keys(single_mask, varlen),
+            visible_keys=_visible_keys(single_mask, varlen, attention_kernel),
             keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,

@@ -1,0 +1,127 @@
+"""The variable-length attention kernel (each row's queries over its first ``count`` keys) against its torch
+reference, and the reference against masked SDPA. The kernel runs in Triton's CPU interpreter here (a process of
+its own: the interpreter is chosen when the kernels are defined)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from auk_worker.model.varlen_attention_kernel import varlen_attention_reference
+from tests.triton_interpreter import needs_triton, run_in_interpreter
+
+HEADS = 2
+
+
+def packed(rows: int, m: int, dim_head: int, dtype: torch.dtype, seed: int, strided: bool) -> tuple[torch.Tensor, ...]:
+    """q, k, v [rows * m, HEADS, dh]. ``strided``: views as the blocks make them, q, k and v each with strides
+    of its own: q and k cut from one qkv projection (position stride 3 h dh), v every other head-width slice of a
+    wider tensor (head stride 2 dh)."""
+    generator = torch.Generator().manual_seed(seed)
+    total = rows * m
+    if not strided:
+        return tuple(torch.randn(total, HEADS, dim_head, generator=generator).to(dtype) for _ in range(3))
+    qkv = torch.randn(total, 3 * HEADS * dim_head, generator=generator).to(dtype)
+    q, k, _ = (part.unflatten(-1, (HEADS, dim_head)) for part in qkv.chunk(3, dim=-1))
+    v = torch.randn(total, HEADS, 2 * dim_head, generator=generator).to(dtype)[..., dim_head:]
+    return q, k, v
+
+
+def uniform(rows: int, m: int, counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``starts`` and ``count`` (int32) of rows of m positions each, as ``dit.VisibleKeys`` has them."""
+    return torch.arange(rows + 1, dtype=torch.int32) * m, torch.tensor(counts, dtype=torch.int32)
+
+
+def test_reference_is_masked_sdpa() -> None:
+    """Over uniform rows the reference is SDPA with a boolean key mask (rows with visible keys), and zeros where a
+    row has none; over ragged rows it treats each row on its own."""
+    rows, m, dim_head = 4, 13, 16
+    q, k, v = packed(rows, m, dim_head, torch.float32, seed=1, strided=True)
+    starts, count = uniform(rows, m, (13, 5, 1, 0))
+    out = varlen_attention_reference(q, k, v, starts, count, m)
+    visible = torch.arange(m) < count[:, None]  # [rows, m]
+    sdpa = F.scaled_dot_product_attention(
+        *(t.unflatten(0, (rows, m)).transpose(1, 2) for t in (q, k, v)), attn_mask=visible[:, None, None, :]
+    ).transpose(1, 2).flatten(0, 1)  # [rows * m, h, dh]
+    torch.testing.assert_close(out[: 3 * m], sdpa[: 3 * m], rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[3 * m :], torch.zeros_like(out[3 * m :]))
+
+    ragged = torch.tensor([0, 5, 18, 26], dtype=torch.int32)  # rows of 5, 13 and 8 positions
+    joint = varlen_attention_reference(q[:26], k[:26], v[:26], ragged, count[:3], m)
+    one_row = torch.tensor([0, 13], dtype=torch.int32)
+    alone = varlen_attention_reference(q[5:18], k[5:18], v[5:18], one_row, count[1:2], m)  # the second row
+    assert torch.equal(joint[5:18], alone)
+
+
+def multiply_bf16_tiles_by_value() -> None:
+    """Triton's interpreter stores bf16 as its raw bits (uint16) and its ``tl.dot`` multiplies those bits; make it
+    multiply the values, exactly (fp32), as the GPU's bf16 matrix products do. Only the interpreter is patched."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    by_bits = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        a, b = (self.cast_impl(t, tl.float32) if t.dtype.scalar == tl.bfloat16 else t for t in (a, b))
+        return by_bits(self, a, b, d, *args)
+
+    InterpreterBuilder.create_dot = create_dot
+
+
+def check_kernel() -> None:
+    """The kernel against the reference. The default launch settings (64 x 64 blocks) at m = 150: three query
+    blocks, the last partial; counts of a full row, an exact multiple of the key block (no masked block), a
+    partial row, less than one key block, none. Small blocks (16 x 32) at m = 37 (three query blocks) with the
+    same kinds of counts, and over ragged rows. Contiguous and strided q, k, v; dh 16 and 32; fp32, fp16, bf16.
+    Every output finite, padded queries included.
+
+    Tolerances: fp32 1e-5 (the reference's sums in another order). Half precision: the kernel rounds the softmax
+    weights to q's dtype for the product with v, as FlashAttention does, and the output once, each within one unit
+    in the last place relative, so the error is within 2 ulp * max |v|: 2^-10 in fp16 (2^-11 per rounding), 2^-6 in
+    bf16 (2^-7 per rounding under the interpreter's truncation; half that on a GPU, which rounds to nearest).
+    Run with TRITON_INTERPRET=1 (see below)."""
+    from auk_worker.model.varlen_attention_kernel import launch_settings, varlen_attention
+
+    multiply_bf16_tiles_by_value()
+    default, small = launch_settings(), (16, 32, 4, 1)  # small: quick in the interpreter; 16 != 32 tells the two apart
+    assert default == (64, 64, 4, 3)  # the settings the GPU runs are the ones tested here
+    cases = [  # (launch, m, dh, starts, count)
+        (None, 150, 32, *uniform(5, 150, (150, 128, 97, 40, 0))),
+        (small, 37, 16, *uniform(6, 37, (37, 32, 21, 16, 9, 0))),
+        (small, 37, 32, torch.tensor([0, 5, 42, 67], dtype=torch.int32), torch.tensor([3, 37, 25], dtype=torch.int32)),
+    ]
+    tolerances = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-6}  # fp32 absolute, else x max|v|
+    for dtype, tolerance in tolerances.items():
+        for launch, m, dim_head, starts, count in cases:
+            for strided in (False, True):
+                total = int(starts[-1])
+                tensors = packed(len(count), m, dim_head, dtype, seed=m + dim_head, strided=strided)
+                q, k, v = (t[:total] for t in tensors)  # ragged rows: the positions the starts cover
+                what = (dtype, launch, m, dim_head, count.tolist(), strided)
+                out = varlen_attention(q, k, v, starts, count, m, launch=launch)
+                assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous(), what
+                assert torch.isfinite(out).all(), what
+                exact = varlen_attention_reference(q, k, v, starts, count, m)
+                error = (out.float() - exact.float()).abs().max().item()
+                if dtype != torch.float32:
+                    error /= v.float().abs().max().item()
+                assert error <= tolerance, (*what, error)
+
+
+@needs_triton
+def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
+    run_in_interpreter("tests.test_varlen_attention_kernel", "check_kernel")
+
+
+@needs_triton
+def test_the_op_traces_on_fake_tensors() -> None:
+    """Inside a compiled region the op is traced on fake tensors: it gives the output's shape without running."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from auk_worker.model.varlen_attention_kernel import varlen_attention
+
+    with FakeTensorMode():
+        q, k, v = packed(2, 9, 16, torch.bfloat16, seed=2, strided=True)
+        starts, count = uniform(2, 9, (9, 4))
+        out = varlen_attention(q, k, v, starts, count, 9)
+    assert out.shape == (18, HEADS, 16) and out.dtype == torch.bfloat16 and out.is_contiguous()
