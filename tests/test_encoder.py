@@ -452,9 +452,9 @@ def test_one_compilation_serves_every_layer_and_length(encoder):
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(thinker_layer, fullgraph=True, dynamic=True, backend=counting_backend)
+    assert encoder.compile_layers(backend=counting_backend)  # the worker's settings, a counting backend
+    compiled = encoder.layer
     d = TINY_HIDDEN
-    encoder.layer = compiled
     try:
         with torch.inference_mode():
             for rows, nt in ((1, 7), (1, 19), (3, 11), (2, 5)):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -532,13 +532,13 @@ class ThinkerEncoder:
         )
         return cls(processor, trunk, layer_weights, layer_scale)
 
-    def compile_layers(self) -> bool:
+    def compile_layers(self, backend: str | Callable = "inductor") -> bool:
         """``torch.compile`` the decoder layer (one compilation serves all of them and every prompt length; one
         more for batches of several prompts). False where transformers' text model runs instead."""
         if self.fallback is not None:
             logger.info("thinker: not compiled (%s: transformers' text model runs)", self.fallback)
             return False
-        self.layer = torch.compile(thinker_layer, fullgraph=True, dynamic=True)
+        self.layer = torch.compile(thinker_layer, fullgraph=True, dynamic=True, backend=backend)
         return True
 
     @torch.inference_mode()
