@@ -56,9 +56,12 @@ if triton is not None:
     @triton.jit
     def _modulated_norm_kernel(
         x_ptr, y_ptr, gate_ptr, keep_ptr, shift_ptr, scale_ptr, x_out_ptr, out_ptr,
-        positions, m, x_row_stride, x_position_stride, mod_row_stride, eps,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr, KEEP: tl.constexpr,
+        positions, m, x_row_stride, x_position_stride, mod_row_stride,
+        EPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, RESIDUAL: tl.constexpr,
+        KEEP: tl.constexpr,
     ):
+        # EPS is a constant, not an argument: inside a compiled graph inductor passes a float argument as fp64,
+        # which would carry the variance into fp64 arithmetic.
         p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # positions over bc * m
         valid = p < positions
         d = tl.arange(0, BLOCK_D)
@@ -80,7 +83,7 @@ if triton is not None:
             x = stream.to(tl.float32)
         mean = tl.sum(x, axis=1) / D
         centered = tl.where(mask, x - mean[:, None], 0.0)
-        inv_std = tl.rsqrt(tl.sum(centered * centered, axis=1) / D + eps)
+        inv_std = tl.rsqrt(tl.sum(centered * centered, axis=1) / D + EPS)
         shift = tl.load(shift_ptr + mod, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + mod, mask=mask, other=0.0).to(tl.float32)
         out = centered * inv_std[:, None] * (1.0 + scale) + shift
@@ -93,8 +96,8 @@ if triton is not None:
         bc, m, dim = x.shape
         positions = bc * m
         torch.library.wrap_triton(_modulated_norm_kernel)[(triton.cdiv(positions, ROWS),)](
-            x, y, gate, keep, shift, scale, x_out, out, positions, m, x.stride(0), x.stride(1), mod_row_stride, eps,
-            D=dim, BLOCK_D=triton.next_power_of_2(dim), ROWS=ROWS, RESIDUAL=y is not None, KEEP=keep is not None,
+            x, y, gate, keep, shift, scale, x_out, out, positions, m, x.stride(0), x.stride(1), mod_row_stride,
+            EPS=eps, D=dim, BLOCK_D=triton.next_power_of_2(dim), ROWS=ROWS, RESIDUAL=y is not None, KEEP=keep is not None,
             num_warps=WARPS,
         )
 
