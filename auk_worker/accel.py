@@ -9,12 +9,14 @@ Nothing here changes what is computed; it changes how the kernels are launched:
   context in once and replays the graph ``num_steps`` times. The adaLN modulation rows of the whole grid are
   computed once per render (``ModulationTable``) and the graph reads its step's row. At most ``max_dit_graphs``
   are kept; a full cache is retired whole before a new capture (the deploy config's rule).
-- The repeated blocks are compiled (regional ``torch.compile``) before capture when ``compile_blocks`` is set, so
-  the graph replays fused kernels.
+- The repeated blocks are compiled (regional ``torch.compile`` of each block phase) before capture when
+  ``compile_blocks`` is set, so the graph replays fused kernels. The double blocks' text stream runs on a second
+  CUDA stream beside the audio stream: at latency sizes neither stream fills the GPU alone.
 - ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes,
   for one prompt and for a pass of several.
 - ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
-  buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket.
+  buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket. Each stage's
+  three AMP blocks run side by side on CUDA streams.
 - ``EncodeGraphs`` replays the VAE encoder over reference clips zero-padded to whole seconds, exactly (the
   encoder cuts each conv output back to the clip's own length).
 
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor
 
 from auk_worker.cuda_graph import capture_graph
-from auk_worker.model.dit import AuKDiT, DiTContext
+from auk_worker.model.dit import PLAIN_PHASES, AuKDiT, DiTContext
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.sampling import MAX_STEPS, cfg_combine
 from auk_worker.model.vae import AuKVAE
@@ -88,11 +90,11 @@ class ModulationTable:
         self.cached_grids = cached_grids
         self.cache: OrderedDict[tuple[float, ...], Tensor] = OrderedDict()
 
-    def fill(self, times: Tensor) -> None:  # times [k <= capacity] fp32
+    def fill(self, times: Tensor) -> None:  # times [k <= capacity] fp32, on the host (read there without a sync)
         key = tuple(times.tolist())
         rows = self.cache.get(key)
         if rows is None:
-            rows = self.dit.modulation(times)  # [k, width]
+            rows = self.dit.modulation(times.to(self.dit.device, non_blocking=True))  # [k, width]
             self.cache[key] = rows
             while len(self.cache) > self.cached_grids:
                 self.cache.popitem(last=False)
@@ -140,7 +142,7 @@ class _StepGraph:
                 static.copy_(fresh)
         self.x.copy_(x0)
         total = grid.numel() - 1
-        self.grid[: total + 1].copy_(grid)
+        self.grid[: total + 1].copy_(grid, non_blocking=True)
         self.step.zero_()
         self.scale.fill_(scale)
         # A replay returns at once; without pacing the loop would queue every step in a few milliseconds and
@@ -171,26 +173,30 @@ def _clone_ctx(ctx: DiTContext) -> DiTContext:
     return clone(ctx)  # type: ignore[return-value]
 
 
-# Compilations a block may hold. Dynamo compiles a block again for each layout the graph path meets: padded audio,
-# text or keys present or not, one row or several, the precision's module types. These multiply past dynamo's
-# default of 8, and with ``fullgraph`` the ninth raises inside a job instead of falling back.
+# Compilations a block phase may hold. Dynamo compiles a phase again for each layout the graph path meets: padded
+# audio, text or keys present or not, one row or several, the precision's module types. These multiply past
+# dynamo's default of 8, and with ``fullgraph`` the ninth raises inside a job instead of falling back.
 BLOCK_COMPILATIONS = 64
 
 
 def compile_dit_blocks(dit: AuKDiT, dynamic: bool = True, backend: str = "inductor") -> None:
-    """Regional ``torch.compile`` of the repeated blocks. Dynamic shapes: one compilation serves every sequence
-    length, so a new shape costs a capture, not a recompile."""
+    """Regional ``torch.compile`` of the repeated blocks: each block phase (``BlockPhases``) is compiled once and
+    serves every block. Dynamic shapes: one compilation serves every sequence length, so a new shape costs a
+    capture, not a recompile."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, BLOCK_COMPILATIONS)
-    for block in (*dit.transformer_blocks, *dit.single_transformer_blocks):
-        block.compile(fullgraph=True, dynamic=dynamic, backend=backend)
+    dit.phases = PLAIN_PHASES.compiled(fullgraph=True, dynamic=dynamic, backend=backend)
 
 
 class StepGraphs:
     """Per-shape CUDA graphs of a guided Euler step, at most ``max_graphs`` at a time."""
 
-    def __init__(self, dit: AuKDiT, max_graphs: int, compile_blocks: bool = True, dynamic: bool = True) -> None:
+    def __init__(
+        self, dit: AuKDiT, max_graphs: int, compile_blocks: bool = True, dynamic: bool = True, text_stream: bool = True
+    ) -> None:
         self.dit = dit
+        # The double blocks' text stream beside the audio stream, in every captured step.
+        dit.text_stream = torch.cuda.Stream(dit.device) if text_stream else None
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _StepGraph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
@@ -201,6 +207,8 @@ class StepGraphs:
     def sample(
         self, ctx: DiTContext, x0: Tensor, grid: Tensor, guidance_scale: float, on_step: StepCallback | None = None
     ) -> Tensor:
+        """The Euler solve over ``grid`` [steps + 1] (best on the host: the step graph reads it without a sync)
+        from ``x0``, with this context's graph (captured first if new)."""
         key = _signature(ctx)
         graph = self.graphs.get(key)
         if graph is None:
@@ -211,7 +219,7 @@ class StepGraphs:
             graph = _StepGraph(self.dit, ctx, x0.shape[0], self.table, self.pool)
             self.graphs[key] = graph
             log.info("dit graphs: captured %s (%d cached)", _describe(ctx, x0), len(self.graphs))
-        return graph.run(ctx, x0, grid.to(x0.device, torch.float32), guidance_scale, on_step)
+        return graph.run(ctx, x0, grid.to(dtype=torch.float32).cpu(), guidance_scale, on_step)
 
 
 def _describe(ctx: DiTContext, x0: Tensor) -> str:
@@ -222,9 +230,12 @@ def _describe(ctx: DiTContext, x0: Tensor) -> str:
 class DecodeGraphs:
     """VAE decodes replayed from one CUDA graph per latent length (LRU of ``max_graphs``)."""
 
-    def __init__(self, vae: AuKVAE, max_graphs: int) -> None:
+    def __init__(self, vae: AuKVAE, max_graphs: int, branch_streams: bool = True) -> None:
         self.vae = vae
         self.max_graphs = max_graphs
+        # A stage's AMP blocks side by side, in every captured decode.
+        device = vae.global_mean.device
+        vae.branch_streams = [torch.cuda.Stream(device) for _ in range(vae.blocks_per_stage - 1)] if branch_streams else None
         self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
 

@@ -34,6 +34,7 @@ from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.fp8 import fp8_supported, use_fp8_block_linears
+from auk_worker.model.streams import beside
 from auk_worker.model.sampling import (
     FLASH_T_GRID,
     euler_sample,
@@ -148,6 +149,8 @@ class AuKPipeline:
         self.startup: dict[str, float] = {"load": 0.0, "warm_up": 0.0}  # seconds
         model_config = deploy.dit.model_config
         self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
+        # The reference clip's VAE encode runs on this stream, beside the thinker (None off CUDA).
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.step_graphs: StepGraphs | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.encode_graphs: EncodeGraphs | None = None
@@ -369,27 +372,31 @@ class AuKPipeline:
             validate_clip(request.audio.samples, request.audio.sample_rate)
             clip_24k = resample(request.audio.samples, request.audio.sample_rate, SAMPLE_RATE)
         frames = self.target_frames(request, 0 if clip_24k is None else len(clip_24k))
-        timings: dict[str, float] = {}
+        timings: dict[str, list[_Span]] = {"vae_encode": []}
         with torch.inference_mode(), _oom_as_model_error(frames):
-            started = self._clock()
+            # The reference encode goes first, on its own stream where there is one: the GPU runs it while the
+            # host prepares the prompt, and beside the audio tower after that.
+            ref, ref_valid, ref_ready = None, 0, None
+            if clip_24k is not None:
+                with beside(self.side_stream):
+                    started = self._mark()
+                    wav = torch.from_numpy(clip_24k).to(self.device, non_blocking=True)[None]  # [1, t]
+                    vae_gen = None
+                    if request.vae_sample:
+                        vae_gen = make_generator((schedule.seed + VAE_SEED_OFFSET) % MAX_SEED, self.device)
+                    encode = self.encode_graphs.encode if self.encode_graphs is not None else self.vae.encode
+                    ref = encode(wav, sample=request.vae_sample, generator=vae_gen)[0]  # [np, l]
+                    timings["vae_encode"].append(_Span(started, self._mark()))
+                    ref_ready = timings["vae_encode"][-1].end if self.side_stream is not None else None
+                ref_valid = self.vae.valid_frames(len(clip_24k))
+
+            started = self._mark()
             audio_16k = None
             if request.audio is not None:
                 # The thinker hears the ORIGINAL clip at 16 kHz, not the 24 kHz copy the VAE encodes.
                 audio_16k = resample(request.audio.samples, request.audio.sample_rate, THINKER_SAMPLE_RATE)
             embeds = self.encoder.embed(request.instruction, audio_16k)  # [nt, dt]
-            timings["encode"] = self._clock() - started
-
-            started = self._clock()
-            ref, ref_valid = None, 0
-            if clip_24k is not None:
-                wav = torch.from_numpy(clip_24k).to(self.device)[None]  # [1, t]
-                vae_gen = None
-                if request.vae_sample:
-                    vae_gen = make_generator((schedule.seed + VAE_SEED_OFFSET) % MAX_SEED, self.device)
-                encode = self.encode_graphs.encode if self.encode_graphs is not None else self.vae.encode
-                ref = encode(wav, sample=request.vae_sample, generator=vae_gen)[0]  # [np, l]
-                ref_valid = self.vae.valid_frames(len(clip_24k))
-            timings["vae_encode"] = self._clock() - started
+            timings["encode"] = [_Span(started, self._mark())]
             noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))
         return _Job(
             index=index,
@@ -397,6 +404,7 @@ class AuKPipeline:
             embeds=embeds,
             ref=ref,
             ref_valid=ref_valid,
+            ref_ready=ref_ready,
             noise=noise[0],
             timings=timings,
         )
@@ -423,42 +431,44 @@ class AuKPipeline:
         return outcomes
 
     def _encode_pass(self, jobs: list[_Job]) -> list[_Job]:
-        started = self._clock()
+        started = self._mark()
         with torch.inference_mode(), _oom_as_model_error(max(job.frames for job in jobs)):
             conditions = self.encoder.conditions([job.embeds for job in jobs])  # [nt_i, dt] fp32 each
-        share = (self._clock() - started) / len(jobs)
+        span = _Span(started, self._mark(), share=1 / len(jobs))
         for job, condition in zip(jobs, conditions):
             job.text = condition
-            job.timings["encode"] += share
+            job.timings["encode"].append(span)
         return jobs
 
     def _render_group(self, group: list[_Job], on_step: StepCallback | None) -> list[RenderResult | AuKError]:
         """One DiT pass over the group (padded and masked to a common shape), then decodes by length."""
         schedule = group[0].schedule
-        started = self._clock()
+        started = self._mark()
         try:
             with torch.inference_mode(), _oom_as_model_error(max(job.frames for job in group)):
                 latents = self._sample(group, schedule, on_step)  # [b, n, l] fp32
         except ModelError as exc:
             return [exc for _ in group]
-        dit_seconds = (self._clock() - started) / len(group)
+        dit = _Span(started, self._mark(), share=1 / len(group))
         # Decode equal-length latents together: padding a shorter clip would change its last samples.
         results: list[RenderResult | AuKError | None] = [None] * len(group)
         by_length: dict[int, list[int]] = {}
         for row, job in enumerate(group):
             by_length.setdefault(job.frames, []).append(row)
         for frames, rows in by_length.items():
-            started = self._clock()
+            started = self._mark()
             try:
                 with torch.inference_mode(), _oom_as_model_error(frames * len(rows)):
-                    waves = self._decode(latents[rows, :frames]).float().cpu().numpy()  # [r, frames * 480]
+                    picked = latents.index_select(0, torch.tensor(rows).to(latents.device, non_blocking=True))
+                    decoded = self._decode(picked[:, :frames]).float()  # [r, frames * 480]
+                    decode = _Span(started, self._mark(), share=1 / len(rows))
+                    waves = decoded.cpu().numpy()  # the render's one wait for the GPU
             except ModelError as exc:
                 for row in rows:
                     results[row] = exc
                 continue
-            decode_seconds = (self._clock() - started) / len(rows)
             for wave, row in zip(waves, rows):
-                results[row] = self._result(group[row], wave, dit_seconds, decode_seconds)
+                results[row] = self._result(group[row], wave, dit, decode)
         return results  # type: ignore[return-value]
 
     def _sample(self, group: list[_Job], schedule: Schedule, on_step: StepCallback | None) -> torch.Tensor:
@@ -475,12 +485,15 @@ class AuKPipeline:
         text = torch.zeros(rows, nt, group[0].text.shape[-1], device=dev)
         x0 = torch.zeros(rows, n, latent_dim, device=dev)  # padded target frames start (and stay masked) at zero
         ref = torch.zeros(rows, np_, latent_dim, device=dev) if np_ else None
+        for job in group:  # the reference encodes ran on the side stream
+            if job.ref_ready is not None:
+                torch.cuda.current_stream(dev).wait_event(job.ref_ready)
         for row, job in enumerate(group):
             text[row, : text_lens[row]] = job.text
             x0[row, : job.frames] = job.noise
             if job.ref is not None:
                 ref[row, : ref_lens[row]] = job.ref
-        as_tensor = lambda values: torch.tensor(values, device=dev)  # noqa: E731
+        as_tensor = torch.tensor  # lengths stay on the host: prepare reads them there without a GPU sync
         padded = rows > 1 or self.step_graphs is not None
         ctx = self.dit.prepare(
             text=text,
@@ -492,17 +505,18 @@ class AuKPipeline:
             target_lens=as_tensor(frames) if padded else None,
             cfg=needs_uncond(schedule.guidance_scale),
         )
-        grid = schedule.grid.to(dev)
+        grid = schedule.grid  # on the host
         if self.step_graphs is not None:
             return self.step_graphs.sample(ctx, x0, grid, schedule.guidance_scale, on_step)
         velocity = guided_velocity(self.dit, ctx, schedule.guidance_scale)
         return euler_sample(velocity, x0, grid, on_step=on_step)
 
     @staticmethod
-    def _result(job: _Job, waveform: np.ndarray, dit_seconds: float, decode_seconds: float) -> RenderResult | ModelError:
+    def _result(job: _Job, waveform: np.ndarray, dit: _Span, decode: _Span) -> RenderResult | ModelError:
         if not np.isfinite(waveform).all():
             return ModelError("the model produced non-finite audio")
-        timings = dict(job.timings, dit=dit_seconds, decode=decode_seconds)
+        spans = dict(job.timings, dit=[dit], decode=[decode])
+        timings = {stage: sum(span.seconds() for span in stage_spans) for stage, stage_spans in spans.items()}
         timings["total"] = sum(timings.values())
         return RenderResult(
             waveform=waveform,
@@ -525,10 +539,29 @@ class AuKPipeline:
             pieces.append(window[:, (emit_start - start) * HOP : (emit_end - start) * HOP])
         return torch.cat(pieces, dim=1)
 
-    def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _mark(self) -> torch.cuda.Event | float:
+        """A point in time for a stage's :class:`_Span`: on CUDA an event recorded on the current stream (timing
+        never waits for the GPU), elsewhere the wall clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A stage's time for one job: from ``start`` to ``end`` (CUDA events, or wall-clock seconds), times the job's
+    ``share`` of a pass that served several jobs. Read it once the GPU has finished the stage."""
+
+    start: torch.cuda.Event | float
+    end: torch.cuda.Event | float
+    share: float = 1.0
+
+    def seconds(self) -> float:
+        if isinstance(self.start, float):
+            return (self.end - self.start) * self.share
+        return self.start.elapsed_time(self.end) / 1000 * self.share
 
 
 @dataclass
@@ -540,8 +573,9 @@ class _Job:
     embeds: torch.Tensor  # [nt, dt] the prompt's input embeddings (processor, audio tower, token lookup)
     ref: torch.Tensor | None  # [np, l] normalised reference latents
     ref_valid: int  # reference frames attention may see (<= np)
+    ref_ready: torch.cuda.Event | None  # recorded once the side stream has made ``ref``; None: made in order
     noise: torch.Tensor  # [n, l] fp32, from the job's own generator
-    timings: dict[str, float]
+    timings: dict[str, list[_Span]]  # per stage
     text: torch.Tensor | None = None  # [nt, dt] fused condition, set by AuKPipeline._encode_prompts
 
     @property

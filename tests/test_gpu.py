@@ -71,6 +71,34 @@ def test_graph_path_matches_eager(pipe):
         assert np.array_equal(graphs, again), "graph replays must be deterministic"
 
 
+def test_a_render_waits_for_the_gpu_only_to_copy_its_waveform_out(pipe):
+    """Inside a render the host never stalls on the GPU before the waveform's copy to the host: it queues each
+    stage's work while the GPU runs the one before. torch's sync debug mode reports every synchronising call,
+    with the line that made it."""
+    import inspect
+    import warnings
+
+    from auk_worker.pipeline import AuKPipeline
+
+    source, first = inspect.getsourcelines(AuKPipeline._render_group)
+    copy_line = first + next(i for i, line in enumerate(source) if ".cpu()" in line)
+    for request in (
+        RenderRequest(INSTRUCT, gen_seconds=3.0, seed=13),
+        RenderRequest('Say the following with the same voice: "Hi."', audio=clip(5.0), gen_seconds=3.0, seed=14),
+    ):
+        pipe.render(request)  # graphs captured, nothing left to warm up
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                pipe.render(request)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+        print(f"synchronising calls: {syncs} (the waveform's copy is pipeline.py:{copy_line})")
+        assert syncs and all(site.endswith(f"pipeline.py:{copy_line}") for site in syncs)
+
+
 def test_progress_reports_steps_as_the_gpu_finishes_them(pipe):
     """The step callback (the job's progress and its cancel check) runs as steps finish, not as graph replays are
     queued: its calls spread over the DiT's time, and a cancel stops the render within a step or two."""

@@ -102,14 +102,15 @@ class AudioTowerRunner:
 
     def prepare(self, input_features: Tensor, feature_attention_mask: Tensor) -> tuple[Tensor, Tensor, ChunkPlan]:
         """One clip's valid frames as zero-padded chunks [c, m, w] and frames per chunk [c] (long), both on the
-        tower's device. Reads the frame count on the host (a sync when the mask lives on the GPU)."""
+        tower's device. Reads the frame count on the host (a sync when the mask lives on the GPU; the processor's
+        mask lives on the host)."""
         mask = feature_attention_mask[0]  # [F]
         plan = self.plan(int(mask.sum()))
         clip = input_features[0]  # [m, F]
         if plan.frames != clip.shape[-1]:  # frames picked by the mask (the processor's mask is all ones)
             clip = clip[:, mask.bool()]  # [m, f]
         c, w = plan.chunks, plan.chunk_frames
-        padded = F.pad(clip.to(self.device, self.dtype), (0, c * w - plan.frames))  # [m, c * w]
+        padded = F.pad(clip.to(self.device, self.dtype, non_blocking=True), (0, c * w - plan.frames))  # [m, c * w]
         features = padded.view(self.num_mel_bins, c, w).transpose(0, 1).contiguous()  # [c, m, w]
         chunk_frames = torch.full((c,), w, dtype=torch.long, device=self.device)
         chunk_frames[-1] = plan.last_frames  # [c]

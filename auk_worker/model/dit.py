@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
 from auk_worker.model import attention_inputs_kernel, modulated_norm_kernel, varlen_attention_kernel
+from auk_worker.model.streams import beside, join
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +411,8 @@ def varlen_attention_supported(device: torch.device, dtype: torch.dtype, dim_hea
 
 
 class Attention(nn.Module):
-    """Self-attention with per-head RMSNorm (torch's default eps) on q and k, then rotary positions."""
+    """Self-attention with per-head RMSNorm (torch's default eps) on q and k, then rotary positions. Holds the
+    weights; the block runs the qkv and output projections as parts of its phases (:class:`BlockPhases`)."""
 
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
@@ -441,15 +443,13 @@ class Attention(nn.Module):
         )
         return attend(q, k, v, key_mask, visible_keys, keys_in_order=True)
 
-    def forward(self, x: Tensor, layout: SingleLayout) -> Tensor:
-        qkv = self.to_qkv(x)
+    def attend_qkv(self, qkv: Tensor, layout: SingleLayout) -> Tensor:
+        """The attention from the qkv projection [bc, m, 3*h*dh] to the output projection's input [bc, m, h*dh]."""
         if layout.inputs_kernel:
-            out = self._fused_attention([(qkv, self.q_norm, self.k_norm, layout.rope)], layout.key_mask,
-                                        layout.visible_keys)
-        else:
-            q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope)
-            out = attend(q, k, v, layout.key_mask, layout.visible_keys)
-        return self.to_out[0](out)  # padded rows are zeroed by the block (layout.keep)
+            return self._fused_attention([(qkv, self.q_norm, self.k_norm, layout.rope)], layout.key_mask,
+                                         layout.visible_keys)
+        q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope)
+        return attend(q, k, v, layout.key_mask, layout.visible_keys)
 
 
 class JointAttention(Attention):
@@ -462,19 +462,55 @@ class JointAttention(Attention):
         self.c_k_norm = nn.RMSNorm(dim_head, elementwise_affine=True)
         self.to_out_c = nn.Linear(heads * dim_head, dim)
 
-    def forward(self, x: Tensor, c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        qkv, qkv_c = self.to_qkv(x), self.to_qkv_c(c)
+    def attend_streams(self, qkv: Tensor, qkv_c: Tensor, layout: JointLayout) -> Tensor:
+        """The joint attention from the two streams' qkv projections ([bc, na, 3*h*dh], [bc, nt, 3*h*dh]) to the
+        output projections' input [bc, na + nt, h*dh], audio positions first. Padded rows are zeroed by the block
+        (layout.audio_keep, text_keep)."""
         if layout.inputs_kernel:  # both streams written straight into the joint sequence
             streams = [(qkv, self.q_norm, self.k_norm, layout.rope_audio),
                        (qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)]  # fmt: skip
-            out = self._fused_attention(streams, layout.key_mask, layout.visible_keys)  # [bc, na + nt, h*dh]
-        else:
-            q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope_audio)
-            cq, ck, cv = self._project(qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)
-            q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
-            out = attend(q, k, v, layout.key_mask, layout.visible_keys)
-        audio_len = x.shape[1]  # padded rows are zeroed by the block (layout.audio_keep, text_keep)
-        return self.to_out[0](out[:, :audio_len]), self.to_out_c(out[:, audio_len:])
+            return self._fused_attention(streams, layout.key_mask, layout.visible_keys)
+        q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope_audio)
+        cq, ck, cv = self._project(qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)
+        q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
+        return attend(q, k, v, layout.key_mask, layout.visible_keys)
+
+
+def block_inputs(h: Tensor, shift: Tensor, scale: Tensor, to_qkv: nn.Module, norm_kernel: bool) -> Tensor:
+    """One stream's way into a block's attention: its adaptive norm, then the qkv projection.
+    [bc, m, d] -> [bc, m, 3*h*dh]."""
+    return to_qkv(_modulated_norm(h, shift, scale, norm_kernel))
+
+
+def block_outputs(
+    h: Tensor, attended: Tensor, to_out: nn.Module, gate: Tensor, keep: Tensor | None, shift_ff: Tensor,
+    scale_ff: Tensor, ff: nn.Module, gate_ff: Tensor, norm_kernel: bool,
+) -> Tensor:
+    """One stream's way out of a block: the attention's output projection into the residual stream through its
+    gate (zeroed at the rows ``keep`` drops), then the feed-forward through its own norm and gate. [bc, m, d]."""
+    h, normed = _gated_residual_norm(h, to_out(attended), gate, keep, shift_ff, scale_ff, norm_kernel)
+    return h + gate_ff * ff(normed)
+
+
+@dataclass(frozen=True)
+class BlockPhases:
+    """What a block runs, in three phases per stream: the way into the attention, the attention, the way out.
+    ``compile_dit_blocks`` swaps in compiled phases. Split this way, a double block's text stream can run its
+    phases on a second CUDA stream, beside the audio stream's (``AuKDiT.text_stream``)."""
+
+    inputs: Callable[..., Tensor] = block_inputs
+    attention: Callable[..., Tensor] = Attention.attend_qkv  # (attn, qkv, layout)
+    joint_attention: Callable[..., Tensor] = JointAttention.attend_streams  # (attn, qkv, qkv_c, layout)
+    outputs: Callable[..., Tensor] = block_outputs
+
+    def compiled(self, **options: Any) -> BlockPhases:
+        """The streams' phases (``inputs``, ``outputs``) through ``torch.compile(phase, **options)``. The attention
+        phases stay as they are: on the fast path they are the hand-written kernels already (see the README on
+        what compiling them cost)."""
+        return replace(self, inputs=torch.compile(self.inputs, **options), outputs=torch.compile(self.outputs, **options))
+
+
+PLAIN_PHASES = BlockPhases()
 
 
 class DoubleStreamBlock(nn.Module):
@@ -489,19 +525,32 @@ class DoubleStreamBlock(nn.Module):
         self.ff_x = FeedForward(config.dim, config.ff_inner_dim)
 
     def forward(
-        self, x: Tensor, c: Tensor, modulation: tuple[Tensor, Tensor], layout: JointLayout
+        self,
+        x: Tensor,
+        c: Tensor,
+        modulation: tuple[Tensor, Tensor],
+        layout: JointLayout,
+        phases: BlockPhases = PLAIN_PHASES,
+        text_stream: torch.cuda.Stream | None = None,
     ) -> tuple[Tensor, Tensor]:
+        """``text_stream``: the text stream's phases run there, beside the audio stream's (None: one after the
+        other on the current stream). Each stream's arithmetic is the same either way."""
         x_mod, c_mod = modulation  # [r, 6d] each, r = 1 or bc
         x_shift, x_scale, x_gate, x_shift_ff, x_scale_ff, x_gate_ff = self.attn_norm_x(x_mod)
         c_shift, c_scale, c_gate, c_shift_ff, c_scale_ff, c_gate_ff = self.attn_norm_c(c_mod)
-        kernel = layout.norm_kernel
-        x_attn, c_attn = self.attn(
-            _modulated_norm(x, x_shift, x_scale, kernel), _modulated_norm(c, c_shift, c_scale, kernel), layout
-        )
-        c, c_normed = _gated_residual_norm(c, c_attn, c_gate, layout.text_keep, c_shift_ff, c_scale_ff, kernel)
-        c = c + c_gate_ff * self.ff_c(c_normed)
-        x, x_normed = _gated_residual_norm(x, x_attn, x_gate, layout.audio_keep, x_shift_ff, x_scale_ff, kernel)
-        x = x + x_gate_ff * self.ff_x(x_normed)
+        attn, kernel = self.attn, layout.norm_kernel
+        with beside(text_stream):
+            qkv_c = phases.inputs(c, c_shift, c_scale, attn.to_qkv_c, kernel)
+        qkv = phases.inputs(x, x_shift, x_scale, attn.to_qkv, kernel)
+        join(text_stream)
+        out = phases.joint_attention(attn, qkv, qkv_c, layout)  # [bc, na + nt, h*dh]
+        audio_len = x.shape[1]
+        with beside(text_stream):
+            c = phases.outputs(c, out[:, audio_len:], attn.to_out_c, c_gate, layout.text_keep, c_shift_ff,
+                               c_scale_ff, self.ff_c, c_gate_ff, kernel)
+        x = phases.outputs(x, out[:, :audio_len], attn.to_out[0], x_gate, layout.audio_keep, x_shift_ff, x_scale_ff,
+                           self.ff_x, x_gate_ff, kernel)
+        join(text_stream)
         return x, c
 
 
@@ -514,23 +563,26 @@ class SingleStreamBlock(nn.Module):
         self.attn = Attention(config.dim, config.heads, config.dim_head)
         self.ff = FeedForward(config.dim, config.ff_inner_dim)
 
-    def forward(self, h: Tensor, modulation: Tensor, layout: SingleLayout) -> Tensor:  # modulation [r, 6d]
+    def forward(
+        self, h: Tensor, modulation: Tensor, layout: SingleLayout, phases: BlockPhases = PLAIN_PHASES
+    ) -> Tensor:  # modulation [r, 6d]
         shift, scale, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(modulation)
-        kernel = layout.norm_kernel
-        attn = self.attn(_modulated_norm(h, shift, scale, kernel), layout)
-        h, normed = _gated_residual_norm(h, attn, gate, layout.keep, shift_ff, scale_ff, kernel)
-        return h + gate_ff * self.ff(normed)
+        attn, kernel = self.attn, layout.norm_kernel
+        qkv = phases.inputs(h, shift, scale, attn.to_qkv, kernel)
+        out = phases.attention(attn, qkv, layout)
+        return phases.outputs(h, out, attn.to_out[0], gate, layout.keep, shift_ff, scale_ff, self.ff, gate_ff, kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The backbone
 
 
-def _lengths(name: str, lens: Tensor | None, rows: int, full: int, lowest: int, device: torch.device) -> Tensor:
-    """Validate per-row lengths [rows] within [lowest, full]; None means every row is full."""
+def _lengths(name: str, lens: Tensor | None, rows: int, full: int, lowest: int) -> Tensor:
+    """Validate per-row lengths [rows] within [lowest, full]; None means every row is full. Returns them on the
+    CPU (read there without a GPU sync when the caller passes host tensors, as the pipeline does)."""
     if lens is None:
-        return torch.full((rows,), full, dtype=torch.long, device=device)
-    lens = torch.as_tensor(lens, device=device)
+        return torch.full((rows,), full, dtype=torch.long)
+    lens = torch.as_tensor(lens).cpu()
     if lens.shape != (rows,) or lens.is_floating_point() or lens.dtype == torch.bool:
         raise InputError(f"{name} must be an integer tensor of shape [{rows}], got {tuple(lens.shape)} {lens.dtype}")
     lens = lens.long()
@@ -549,21 +601,23 @@ def _key_mask(visible: Tensor) -> Tensor | None:
     return None if mask is None else mask[:, None, None, :]  # [bc, m] -> [bc, 1, 1, m]
 
 
-def _visible_keys(key_mask: Tensor | None, enabled: bool, kernel: bool) -> VisibleKeys | None:
-    """``key_mask`` [bc, 1, 1, m] as :class:`VisibleKeys` when ``enabled`` (None without a mask); ``kernel``: for
-    the hand-written kernel."""
+def _visible_keys(key_mask: Tensor | None, enabled: bool, kernel: bool, device: torch.device) -> VisibleKeys | None:
+    """``key_mask`` [bc, 1, 1, m] as :class:`VisibleKeys` on ``device`` when ``enabled`` (None without a mask);
+    ``kernel``: for the hand-written kernel."""
     if key_mask is None or not enabled:
         return None
     visible = key_mask[:, 0, 0, :]  # [bc, m]
     rows, m = visible.shape
     order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-    return VisibleKeys(
+    keys = VisibleKeys(
         order=order,
         slot=torch.argsort(order, dim=1).to(torch.int32),
         count=visible.sum(dim=1, dtype=torch.int32),
-        starts=torch.arange(rows + 1, dtype=torch.int32, device=visible.device) * m,
+        starts=torch.arange(rows + 1, dtype=torch.int32) * m,
         kernel=kernel,
     )
+    return replace(keys, **{f.name: getattr(keys, f.name).to(device, non_blocking=True)
+                                        for f in fields(keys) if f.name != "kernel"})
 
 
 def _switch(setting: bool | None, supported: bool) -> bool:
@@ -601,6 +655,10 @@ class AuKDiT(nn.Module):
         self.norm_kernel: bool | None = None
         # The variable-length attention through the hand-written kernel instead of FlashAttention's.
         self.attention_kernel: bool | None = None
+        # The blocks' phases (compiled by compile_dit_blocks), and the CUDA stream the double blocks' text stream
+        # runs on beside the audio stream (None: the current stream; StepGraphs sets one).
+        self.phases = PLAIN_PHASES
+        self.text_stream: torch.cuda.Stream | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -631,8 +689,9 @@ class AuKDiT(nn.Module):
         length n, ``target_lens`` the valid frames per row (None = n). With ``cfg`` the rows are doubled into
         [cond..., uncond...]: uncond rows see zero projected text (same text mask) and a reference of zero latents.
 
-        Positions count only the items a row holds, so a padded row gets the positions it would have alone.
-        Batch padding is never visible as a key. Masked reference frames are hidden as keys when
+        The lengths are read on the host: pass host tensors (as the pipeline does) and preparing never waits for
+        the GPU. Positions count only the items a row holds, so a padded row gets the positions it would have
+        alone. Batch padding is never visible as a key. Masked reference frames are hidden as keys when
         ``attn_mask_enabled``; with it off they stay visible, as upstream does for a single request.
         """
         config, device, dtype = self.config, self.device, self.dtype
@@ -645,32 +704,32 @@ class AuKDiT(nn.Module):
             raise InputError(f"ref must be [{rows}, np, {config.latent_dim}], got {tuple(ref.shape)}")
         np_ = 0 if ref is None else ref.shape[1]
 
-        text_valid = torch.arange(nt, device=device) < _lengths("text_lens", text_lens, rows, nt, 1, device)[:, None]
-        target_valid = (
-            torch.arange(target_len, device=device)
-            < _lengths("target_lens", target_lens, rows, target_len, 1, device)[:, None]
-        )  # [b, n]
-        ref_lens = _lengths("ref_lens", ref_lens, rows, np_, 0, device)
-        ref_valid_lens = ref_lens if ref_valid_lens is None else _lengths(
-            "ref_valid_lens", ref_valid_lens, rows, np_, 0, device
-        )
+        # The masks are built on the host from host lengths and moved once, so preparing never waits for the GPU.
+        text_valid = torch.arange(nt) < _lengths("text_lens", text_lens, rows, nt, 1)[:, None]  # [b, nt]
+        target_valid = torch.arange(target_len) < _lengths("target_lens", target_lens, rows, target_len, 1)[:, None]
+        ref_lens = _lengths("ref_lens", ref_lens, rows, np_, 0)
+        ref_valid_lens = ref_lens if ref_valid_lens is None else _lengths("ref_valid_lens", ref_valid_lens, rows, np_, 0)
         if bool((ref_valid_lens > ref_lens).any()):
             raise InputError("ref_valid_lens must not exceed ref_lens")
-        ref_present = torch.arange(np_, device=device) < ref_lens[:, None]  # [b, np]
-        ref_valid = torch.arange(np_, device=device) < ref_valid_lens[:, None]  # [b, np]
+        ref_present = torch.arange(np_) < ref_lens[:, None]  # [b, np]
+        ref_valid = torch.arange(np_) < ref_valid_lens[:, None]  # [b, np]
+
+        def on_device(mask: Tensor | None) -> Tensor | None:
+            return None if mask is None else mask.to(device, non_blocking=True)
 
         c = self.txt_norm(self.txt_proj(text.to(device=device, dtype=dtype)))  # [b, nt, d]
         ref_embed = None
+        ref_conv_mask = on_device(_all_or_none(ref_valid))
         if np_ > 0:
             ref = ref.to(device=device, dtype=dtype)
-            ref_embed = self.audio_embed(ref, _all_or_none(ref_valid))  # [b, np, d]
+            ref_embed = self.audio_embed(ref, ref_conv_mask)  # [b, np, d]
 
         def branches(cond: Tensor, uncond: Tensor) -> Tensor:
             return torch.cat((cond, uncond), dim=0) if cfg else cond
 
         c = branches(c, torch.zeros_like(c))  # uncond text is zeroed after txt_proj + txt_norm
         if ref_embed is not None:
-            ref_embed = branches(ref_embed, self.audio_embed(torch.zeros_like(ref), _all_or_none(ref_valid)))
+            ref_embed = branches(ref_embed, self.audio_embed(torch.zeros_like(ref), ref_conv_mask))
         text_valid, ref_present, ref_valid, target_present = (
             branches(mask, mask) for mask in (text_valid, ref_present, ref_valid, target_valid)
         )
@@ -680,7 +739,9 @@ class AuKDiT(nn.Module):
         audio_visible = audio_valid if config.attn_mask_enabled else audio_present
         single_present = torch.cat((text_valid, audio_present), dim=1)  # [bc, ns]
 
-        rope = self.rotary_embed.tables
+        def rope(present: Tensor) -> Rope:
+            return self.rotary_embed.tables(on_device(_positions(present)))
+
         varlen = _switch(self.varlen_attention, varlen_attention_supported(device, dtype, config.dim_head))
         inputs_kernel = _switch(self.inputs_kernel, attention_inputs_kernel.available(device, dtype, config.dim_head))
         norm_kernel = _switch(self.norm_kernel, modulated_norm_kernel.available(device, dtype))
@@ -688,20 +749,20 @@ class AuKDiT(nn.Module):
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
-            rope_audio=rope(_positions(audio_present)),
-            rope_text=rope(_positions(text_valid)),
-            key_mask=joint_mask,
-            visible_keys=_visible_keys(joint_mask, varlen, attention_kernel),
-            audio_keep=_keep(audio_valid),
-            text_keep=_keep(text_valid),
+            rope_audio=rope(audio_present),
+            rope_text=rope(text_valid),
+            key_mask=on_device(joint_mask),
+            visible_keys=_visible_keys(joint_mask, varlen, attention_kernel, device),
+            audio_keep=on_device(_keep(audio_valid)),
+            text_keep=on_device(_keep(text_valid)),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
         )
         single = SingleLayout(
-            rope=rope(_positions(single_present)),
-            key_mask=single_mask,
-            visible_keys=_visible_keys(single_mask, varlen, attention_kernel),
-            keep=_keep(torch.cat((text_valid, audio_valid), dim=1)),
+            rope=rope(single_present),
+            key_mask=on_device(single_mask),
+            visible_keys=_visible_keys(single_mask, varlen, attention_kernel, device),
+            keep=on_device(_keep(torch.cat((text_valid, audio_valid), dim=1))),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
         )
@@ -709,7 +770,7 @@ class AuKDiT(nn.Module):
             cfg=cfg,
             text=c,
             ref=ref_embed,
-            target_mask=_all_or_none(target_valid),
+            target_mask=on_device(_all_or_none(target_valid)),
             target_len=target_len,
             joint=joint,
             single=single,
@@ -763,10 +824,10 @@ class AuKDiT(nn.Module):
         text = ctx.text  # [bc, nt, d]
 
         for block in self.transformer_blocks:
-            audio, text = block(audio, text, (next(rows), next(rows)), ctx.joint)
+            audio, text = block(audio, text, (next(rows), next(rows)), ctx.joint, self.phases, self.text_stream)
         h = torch.cat((text, audio), dim=1)  # [bc, ns, d]
         for block in self.single_transformer_blocks:
-            h = block(h, next(rows), ctx.single)
+            h = block(h, next(rows), ctx.single, self.phases)
 
         h = h[:, -ctx.target_len :]  # [bc, n, d]: the target is the last n positions
         return self.proj_out(self.norm_out(h, next(rows), ctx.single.norm_kernel))  # [bc, n, l]

@@ -144,11 +144,13 @@ def _check_audio(audio: np.ndarray) -> np.ndarray:
 class PromptProcessor:
     """Turns (instruction, 16 kHz clip or None) into the thinker's inputs, as Qwen2_5OmniProcessor would.
 
-    The feature extractor is called with the processor's own arguments (sampling_rate 16000, padding
-    "max_length", truncation, attention mask), except that the padding stops a little past the clip instead of at
-    the extractor's full window (300 s for Qwen2.5-Omni). Every frame whose STFT window touches the clip is
-    computed from the same samples either way and the log-mel floor is the same, so the valid frames are the
-    processor's; only the all-padding frames that the thinker discards are not computed.
+    The log-mel features are the Whisper feature extractor's, as the processor calls it (sampling_rate 16000,
+    padding "max_length", truncation, attention mask), computed here with the same torch operations (its STFT,
+    mel filters, log floor and scaling) on any device, so that on a GPU the host only copies the samples over.
+    The padding stops a little past the clip instead of at the extractor's full window (300 s for Qwen2.5-Omni):
+    every frame whose STFT window touches the clip is computed from the same samples either way and the log-mel
+    floor is the same, so the valid frames are the processor's; only the all-padding frames that the thinker
+    discards are not computed.
     """
 
     def __init__(self, tokenizer, feature_extractor, audio_token_id: int) -> None:
@@ -163,6 +165,7 @@ class PromptProcessor:
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
         self.audio_token_id = audio_token_id
+        self._stft_tables: dict[torch.device, tuple[Tensor, Tensor]] = {}  # device -> (window, mel filters)
         # Chat markers and multimodal placeholders: inside an instruction they would change the prompt's layout.
         self.reserved_tokens = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
 
@@ -185,14 +188,18 @@ class PromptProcessor:
             )
         return cls(tokenizer, feature_extractor, spec.audio_token_id)
 
-    def __call__(self, instruction: str, audio_16k: np.ndarray | None) -> dict[str, Tensor]:
+    def __call__(
+        self, instruction: str, audio_16k: np.ndarray | None, device: torch.device | str = "cpu"
+    ) -> dict[str, Tensor]:
+        """The thinker's inputs: ``input_ids`` and ``attention_mask`` on the host, and with a clip its
+        ``input_features`` on ``device`` and their ``feature_attention_mask`` on the host."""
         for token in self.reserved_tokens:
             if token in instruction:
                 raise InputError(f"instruction contains the reserved token {token!r}")
         text = render_prompt(instruction, has_audio=audio_16k is not None)
         batch: dict[str, Tensor] = {}
         if audio_16k is not None:
-            features, feature_mask = self.audio_features(audio_16k)
+            features, feature_mask = self.audio_features(audio_16k, device)
             num_tokens = audio_token_count(int(feature_mask.sum()))
             text = text.replace(AUDIO_PLACEHOLDER, AUDIO_PLACEHOLDER * num_tokens)
             batch.update(input_features=features, feature_attention_mask=feature_mask)
@@ -200,32 +207,35 @@ class PromptProcessor:
         batch.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         return batch
 
-    def audio_features(self, audio_16k: np.ndarray) -> tuple[Tensor, Tensor]:
-        """Log-mel features of the clip's frames, [1, m, f], and their (all-ones) mask, [1, f]."""
+    def audio_features(self, audio_16k: np.ndarray, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """Log-mel features of the clip's frames, [1, m, f] on ``device``, and their (all-ones) mask, [1, f] on
+        the host."""
         audio = _check_audio(audio_16k)
         extractor = self.feature_extractor
+        hop, n_fft = extractor.hop_length, extractor.n_fft
         if audio.size > extractor.n_samples:
             logger.warning(
                 "prompt audio: %.1f s truncated to the extractor's %.1f s",
                 audio.size / SAMPLE_RATE,
                 extractor.n_samples / SAMPLE_RATE,
             )
+            audio = audio[: extractor.n_samples]
         # n_fft samples of silence past the clip cover every window that touches it (see the class docstring).
-        hops = -(-(audio.size + extractor.n_fft) // extractor.hop_length)  # ceil
-        padded = min(extractor.n_samples, hops * extractor.hop_length)
-        out = extractor(
-            audio,
-            sampling_rate=SAMPLE_RATE,
-            padding="max_length",
-            max_length=padded,
-            truncation=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        num_frames = int(out["attention_mask"].sum())
-        features = out["input_features"][:, :, :num_frames].float()  # [1, m, f]
-        feature_mask = out["attention_mask"][:, :num_frames]  # [1, f]
-        return features, feature_mask
+        padded = min(extractor.n_samples, -(-(audio.size + n_fft) // hop) * hop)
+        frames = -(-audio.size // hop)  # the frames the extractor's attention mask keeps: one per hop begun
+        device = torch.device(device)
+        if device not in self._stft_tables:
+            filters = torch.from_numpy(np.asarray(extractor.mel_filters, dtype=np.float32))  # [n_fft / 2 + 1, m]
+            self._stft_tables[device] = (torch.hann_window(n_fft, device=device), filters.T.contiguous().to(device))
+        window, mel_filters = self._stft_tables[device]
+        wave = torch.zeros(padded, dtype=torch.float32, device=device)
+        wave[: audio.size].copy_(torch.from_numpy(audio), non_blocking=True)
+        stft = torch.stft(wave, n_fft, hop, window=window, return_complex=True)  # [n_fft / 2 + 1, padded / hop + 1]
+        power = (stft[..., :-1].abs() ** 2).contiguous()  # the last frame is dropped, as the extractor drops it
+        log_spec = torch.clamp(mel_filters @ power, min=1e-10).log10()  # [m, padded / hop]
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)  # the floor: 80 dB under the clip's peak
+        features = ((log_spec + 4.0) / 4.0)[None, :, :frames]  # [1, m, f]
+        return features, torch.ones(1, frames, dtype=torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,6 +299,8 @@ class ThinkerTrunk(nn.Module):
         """Audio tower over the valid frames of each clip: [b, m, f] -> [na, d]."""
         if self.audio_runner is not None and input_features.shape[0] == 1 and feature_attention_mask.ndim == 2:
             return self.audio_runner(input_features, feature_attention_mask)
+        device = self.audio_tower.conv1.weight.device
+        input_features, feature_attention_mask = input_features.to(device), feature_attention_mask.to(device)
         frames = feature_attention_mask.sum(-1)  # [b]
         valid = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)  # [m, sum f]
         after_conv = (frames - 1) // 2 + 1  # [b]
@@ -312,13 +324,18 @@ class ThinkerTrunk(nn.Module):
     def embed(
         self, input_ids: Tensor, input_features: Tensor | None = None, feature_attention_mask: Tensor | None = None
     ) -> Tensor:
-        """Token embeddings with the audio tower's outputs at the audio placeholder positions: [b, nt, d]."""
-        embeds = self.model.embed_tokens(input_ids)  # [b, nt, d]
+        """Token embeddings with the audio tower's outputs at the audio placeholder positions: [b, nt, d].
+
+        The inputs may stay on the host, as the processor makes them: they are read there (the audio-token count
+        is checked against the tower's output) and copied over without waiting for the GPU."""
+        device = self.model.embed_tokens.weight.device
+        embeds = self.model.embed_tokens(input_ids.to(device, non_blocking=True))  # [b, nt, d]
         if input_features is not None:
             audio = self.embed_audio(input_features, feature_attention_mask)  # [na, d]
             slots = input_ids == self.audio_token_id  # [b, nt]
             if int(slots.sum()) != audio.shape[0]:
                 raise ModelError(f"prompt has {int(slots.sum())} audio tokens, the audio tower made {audio.shape[0]}")
+            slots = slots.to(device, non_blocking=True)
             embeds = embeds.masked_scatter(slots.unsqueeze(-1), audio.to(embeds.dtype))
         return embeds
 
@@ -551,7 +568,7 @@ class ThinkerEncoder:
     def embed(self, instruction: str, audio_16k: np.ndarray | None) -> Tensor:
         """The prompt's input embeddings [nt, d]: the processor (CPU), the audio tower, the token lookup. Bad input
         raises here, before any prompt joins a batch."""
-        batch = {name: t.to(self.device) for name, t in self.processor(instruction, audio_16k).items()}
+        batch = self.processor(instruction, audio_16k, self.device)  # the features on the device, the rest on the host
         embeds = self.trunk.embed(batch["input_ids"], batch.get("input_features"), batch.get("feature_attention_mask"))
         return embeds[0]
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from auk_worker.errors import AudioError, CheckpointError, ConfigError, InputError
 from auk_worker.model.alias_free import AliasFreeActivation, activation_span
+from auk_worker.model.streams import beside, join
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +284,9 @@ class AuKVAE(nn.Module):
         self.activation_post = AliasFreeActivation(width, config.snake_logscale, config.act_causal)
         self.conv_post = PaddedConv1d(width, 1, 7, causal=config.causal, bias=False)
         self.blocks_per_stage = len(config.resblock_kernel_sizes)
+        # CUDA streams for a stage's AMP blocks after the first, which then run beside it (DecodeGraphs sets them;
+        # None: one after the other on the current stream).
+        self.branch_streams: list[torch.cuda.Stream] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -349,13 +353,23 @@ class AuKVAE(nn.Module):
             for stage, (up,) in enumerate(self.ups):
                 x = up(x)  # [b, c / 2, t * rate]
                 first = stage * self.blocks_per_stage
-                blocks = self.resblocks[first : first + self.blocks_per_stage]
-                total = blocks[0](x)
-                for block in blocks[1:]:
-                    total = total + block(x)
-                x = total / self.blocks_per_stage
+                x = self._blocks_mean(x, self.resblocks[first : first + self.blocks_per_stage])
             x = self.conv_post(self.activation_post(x))  # [b, 1, n * 480]
             return torch.clamp(x, -1.0, 1.0).squeeze(1).float()
+
+    def _blocks_mean(self, x: torch.Tensor, blocks: nn.ModuleList) -> torch.Tensor:
+        """The mean of a stage's AMP blocks, each over ``x``. With ``branch_streams`` every block after the first
+        runs on its own CUDA stream beside the first; the sum is taken in the same order either way."""
+        streams = self.branch_streams or [None] * (len(blocks) - 1)
+        outs = []
+        for block, stream in zip(blocks[1:], streams):
+            with beside(stream):
+                outs.append(block(x))
+        total = blocks[0](x)
+        join(*streams)
+        for out in outs:
+            total = total + out
+        return total / len(blocks)
 
     def decode_tiled(
         self, latents: torch.Tensor, tile_frames: int, left: int = RELEASE_CONTEXT[0], right: int = RELEASE_CONTEXT[1]
