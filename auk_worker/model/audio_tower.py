@@ -112,9 +112,9 @@ class AudioTowerRunner:
         c, w = plan.chunks, plan.chunk_frames
         padded = F.pad(clip.to(self.device, self.dtype, non_blocking=True), (0, c * w - plan.frames))  # [m, c * w]
         features = padded.view(self.num_mel_bins, c, w).transpose(0, 1).contiguous()  # [c, m, w]
-        chunk_frames = torch.full((c,), w, dtype=torch.long, device=self.device)
-        chunk_frames[-1] = plan.last_frames  # [c]
-        return features, chunk_frames, plan
+        chunk_frames = torch.full((c,), w, dtype=torch.long)
+        chunk_frames[-1] = plan.last_frames  # [c], set on the host: a scalar written into a GPU tensor waits for it
+        return features, chunk_frames.to(self.device, non_blocking=True), plan
 
     def core(self, features: Tensor, chunk_frames: Tensor) -> Tensor:
         """Fixed-shape body: chunks [c, m, w] and frames per chunk [c] -> pooled, projected rows [p, do].
