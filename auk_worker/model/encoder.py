@@ -566,8 +566,9 @@ class ThinkerEncoder:
 
     @torch.inference_mode()
     def embed(self, instruction: str, audio_16k: np.ndarray | None) -> Tensor:
-        """The prompt's input embeddings [nt, d]: the processor (CPU), the audio tower, the token lookup. Bad input
-        raises here, before any prompt joins a batch."""
+        """The prompt's input embeddings [nt, d]: the processor (the tokenizer on the host, a clip's log-mel
+        features on the encoder's device), the audio tower, the token lookup. Bad input raises here, before any
+        prompt joins a batch."""
         batch = self.processor(instruction, audio_16k, self.device)  # the features on the device, the rest on the host
         embeds = self.trunk.embed(batch["input_ids"], batch.get("input_features"), batch.get("feature_attention_mask"))
         return embeds[0]
