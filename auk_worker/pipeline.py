@@ -386,8 +386,10 @@ class AuKPipeline:
                         vae_gen = make_generator((schedule.seed + VAE_SEED_OFFSET) % MAX_SEED, self.device)
                     encode = self.encode_graphs.encode if self.encode_graphs is not None else self.vae.encode
                     ref = encode(wav, sample=request.vae_sample, generator=vae_gen)[0]  # [np, l]
-                    timings["vae_encode"].append(_Span(started, self._mark()))
-                    ref_ready = timings["vae_encode"][-1].end if self.side_stream is not None else None
+                    encoded = self._mark()
+                timings["vae_encode"].append(_Span(started, encoded))
+                if self.side_stream is not None:  # the DiT's stream waits for this before it reads ``ref``
+                    ref_ready = encoded
                 ref_valid = self.vae.valid_frames(len(clip_24k))
 
             started = self._mark()
@@ -493,16 +495,16 @@ class AuKPipeline:
             x0[row, : job.frames] = job.noise
             if job.ref is not None:
                 ref[row, : ref_lens[row]] = job.ref
-        as_tensor = torch.tensor  # lengths stay on the host: prepare reads them there without a GPU sync
         padded = rows > 1 or self.step_graphs is not None
+        # The lengths stay on the host: prepare reads them there without a GPU sync.
         ctx = self.dit.prepare(
             text=text,
-            text_lens=as_tensor(text_lens),
+            text_lens=torch.tensor(text_lens),
             ref=ref,
-            ref_lens=as_tensor(ref_lens) if np_ else None,
-            ref_valid_lens=as_tensor([job.ref_valid for job in group]) if np_ else None,
+            ref_lens=torch.tensor(ref_lens) if np_ else None,
+            ref_valid_lens=torch.tensor([job.ref_valid for job in group]) if np_ else None,
             target_len=n,
-            target_lens=as_tensor(frames) if padded else None,
+            target_lens=torch.tensor(frames) if padded else None,
             cfg=needs_uncond(schedule.guidance_scale),
         )
         grid = schedule.grid  # on the host

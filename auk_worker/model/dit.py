@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -608,16 +608,15 @@ def _visible_keys(key_mask: Tensor | None, enabled: bool, kernel: bool, device: 
         return None
     visible = key_mask[:, 0, 0, :]  # [bc, m]
     rows, m = visible.shape
-    order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-    keys = VisibleKeys(
-        order=order,
-        slot=torch.argsort(order, dim=1).to(torch.int32),
-        count=visible.sum(dim=1, dtype=torch.int32),
-        starts=torch.arange(rows + 1, dtype=torch.int32) * m,
+    order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)  # built where the mask is, then moved
+    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    return VisibleKeys(
+        order=move(order),
+        slot=move(torch.argsort(order, dim=1).to(torch.int32)),
+        count=move(visible.sum(dim=1, dtype=torch.int32)),
+        starts=move(torch.arange(rows + 1, dtype=torch.int32) * m),
         kernel=kernel,
     )
-    return replace(keys, **{f.name: getattr(keys, f.name).to(device, non_blocking=True)
-                                        for f in fields(keys) if f.name != "kernel"})
 
 
 def _switch(setting: bool | None, supported: bool) -> bool:
