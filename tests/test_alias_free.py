@@ -225,6 +225,20 @@ def check_fused_kernel() -> None:
                 )
                 assert fused.shape == reference.shape
                 assert relative(fused, reference) < 1e-6, (causal, logscale, t, relative(fused, reference))
+    # A slice along time (the causal upsampler's trimmed output) read in place, and the zeros a causal conv reads
+    # written in front of the output.
+    act = activation(True, True, channels=3, seed=5)
+    lowpass = act.downsample.lowpass
+    untrimmed = torch.randn(2, 3, 300 + 4, generator=torch.Generator().manual_seed(1))
+    x = untrimmed[..., :300]
+    for left_pad in (0, 2, 50):
+        fused = fused_activation(
+            x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, True, lowpass.pad, left_pad
+        )
+        reference = act(x.contiguous(), left_pad)
+        assert fused.shape == reference.shape == (2, 3, left_pad + 300)
+        assert torch.equal(fused[..., :left_pad], torch.zeros(2, 3, left_pad))
+        assert relative(fused, reference) < 1e-6, (left_pad, relative(fused, reference))
 
 
 @needs_triton

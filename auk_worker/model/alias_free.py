@@ -119,13 +119,15 @@ def polyphase_activation(
     down_taps: torch.Tensor,
     logscale: bool,
     down_pad: tuple[int, int],
-) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
-    """``AliasFreeActivation.forward`` without convolutions: interpolate as phases, snake each phase, decimate.
+    left_pad: int = 0,
+) -> torch.Tensor:  # [b, c, t] -> [b, c, left_pad + t]
+    """``AliasFreeActivation.forward`` without convolutions: interpolate as phases, snake each phase, decimate;
+    then ``left_pad`` zeros in front.
 
     A function of plain tensors, so that one ``torch.compile`` of it with dynamic shapes serves every channel
     width (dynamo keeps a module parameter's shape static, which would recompile it per width)."""
     phases = [snake_beta(phase, alpha, beta, logscale) for phase in upsample_phases(x, up_taps)]
-    return decimate_phases(phases, down_taps, down_pad)
+    return _left_padded(decimate_phases(phases, down_taps, down_pad), left_pad)
 
 
 class SnakeBeta(nn.Module):
@@ -182,7 +184,7 @@ class DownSample(nn.Module):
 
 
 PolyphaseFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, tuple[int, int]], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, tuple[int, int], int], torch.Tensor
 ]
 
 
@@ -200,16 +202,18 @@ class AliasFreeActivation(nn.Module):
         self.fused = False
         self.polyphase_fn: PolyphaseFn = polyphase_activation
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
+    def forward(self, x: torch.Tensor, left_pad: int = 0) -> torch.Tensor:  # [b, c, t] -> [b, c, left_pad + t]
+        """The activation, with ``left_pad`` zeros in front of it: the causal convolution that reads it needs them,
+        and the fused kernel writes them with the output instead of a copy into a padded tensor."""
         if self.fused:
-            return self.polyphase(x)
-        return self.downsample(self.act(self.upsample(x)))
+            return self.polyphase(x, left_pad)
+        return _left_padded(self.downsample(self.act(self.upsample(x))), left_pad)
 
-    def polyphase(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
+    def polyphase(self, x: torch.Tensor, left_pad: int = 0) -> torch.Tensor:  # [b, c, t] -> [b, c, left_pad + t]
         lowpass = self.downsample.lowpass
         return self.polyphase_fn(
             x, self.act.alpha.detach(), self.act.beta.detach(), self.upsample.filter, lowpass.filter,
-            self.act.logscale, lowpass.pad,
+            self.act.logscale, lowpass.pad, left_pad,
         )  # detached: plain tensors, whose shapes dynamo may treat as dynamic
 
 
@@ -233,7 +237,25 @@ def compile_fused_activations(model: nn.Module, **options: object) -> int:
     larger batches, which dynamo specialises). Compiling a whole decoder instead traces its 109 activations one
     after another (26 s on a 2-core CPU at release size) and only adds the fusion of the residual adds."""
     compiled = torch.compile(polyphase_activation, dynamic=True, fullgraph=True, **options)
-    return use_fused_activations(model, True, compiled)
+
+    def run(
+        x: torch.Tensor,
+        alpha: torch.Tensor,
+        beta: torch.Tensor,
+        up_taps: torch.Tensor,
+        down_taps: torch.Tensor,
+        logscale: bool,
+        down_pad: tuple[int, int],
+        left_pad: int = 0,
+    ) -> torch.Tensor:
+        # The padding stays outside the compiled graph: its width would otherwise be one more guard.
+        return _left_padded(compiled(x, alpha, beta, up_taps, down_taps, logscale, down_pad), left_pad)
+
+    return use_fused_activations(model, True, run)
+
+
+def _left_padded(x: torch.Tensor, left_pad: int) -> torch.Tensor:
+    return F.pad(x, (left_pad, 0)) if left_pad else x
 
 
 def _weighted_sum(terms: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

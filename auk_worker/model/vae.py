@@ -147,6 +147,10 @@ class PaddedConv1d(nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, t] -> [b, cout, t]
         return super().forward(F.pad(x, (self.left_pad, 0)) if self.left_pad else x)
 
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, left_pad + t] -> [b, cout, t]
+        """``forward`` of an input that already starts with its ``left_pad`` zeros (an activation wrote them)."""
+        return super().forward(x)
+
 
 class UpsampleConv(nn.ConvTranspose1d):
     """Transposed conv multiplying the length by ``stride``; causal drops the trailing ``stride`` samples."""
@@ -253,7 +257,8 @@ class AMPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, c, t] -> [b, c, t]
         acts1, acts2 = self.activations[0::2], self.activations[1::2]
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, acts1, acts2):
-            x = x + conv2(act2(conv1(act1(x))))
+            h = conv1.forward_padded(act1(x, conv1.left_pad))
+            x = x + conv2.forward_padded(act2(h, conv2.left_pad))
         return x
 
 
@@ -354,7 +359,7 @@ class AuKVAE(nn.Module):
                 x = up(x)  # [b, c / 2, t * rate]
                 first = stage * self.blocks_per_stage
                 x = self._blocks_mean(x, self.resblocks[first : first + self.blocks_per_stage])
-            x = self.conv_post(self.activation_post(x))  # [b, 1, n * 480]
+            x = self.conv_post.forward_padded(self.activation_post(x, self.conv_post.left_pad))  # [b, 1, n * 480]
             return torch.clamp(x, -1.0, 1.0).squeeze(1).float()
 
     def _blocks_mean(self, x: torch.Tensor, blocks: nn.ModuleList) -> torch.Tensor:
