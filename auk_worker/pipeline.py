@@ -30,6 +30,7 @@ from auk_worker.checkpoint import Release, file_digest, load_strict, read_releas
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, OutOfMemory
 from auk_worker.model.alias_free_kernel import use_fast_activations
+from auk_worker.model.conv_kernel import use_fast_convs
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
@@ -160,6 +161,8 @@ class AuKPipeline:
                 # Each anti-aliased activation runs as one fused kernel, and the reference encode replays a graph
                 # per whole-second bucket (both exact to rounding; figures in the README).
                 log.info("vae activations: %s", use_fast_activations(vae, device))
+                if precision != "exact":  # the kernel's products are TF32, as cuDNN's are unless told otherwise
+                    log.info("vae: %d narrow convolutions on the Triton kernel", use_fast_convs(vae, device))
                 self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
         encoder.max_rows = deploy.encoder.max_num_seqs  # prompts per thinker pass (render_batch)

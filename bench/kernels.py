@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, compile_dit_blocks
 from auk_worker.model.alias_free_kernel import use_fast_activations
+from auk_worker.model.conv_kernel import use_fast_convs
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
@@ -277,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
             profile(f"VAE decode, {args.decode_frames} frames, convolution activations",
                     lambda: vae.decode(latents), args.rows)
-            path = use_fast_activations(vae, latents.device)
-            profile(f"VAE decode, {args.decode_frames} frames, {path} activations (the pipeline's)",
+            path = f"{use_fast_activations(vae, latents.device)} activations"
+            path += f", {use_fast_convs(vae, latents.device)} narrow convolutions on their kernel"
+            profile(f"VAE decode, {args.decode_frames} frames, {path} (the pipeline's)",
                     lambda: vae.decode(latents), args.rows)
             decode_graphs = DecodeGraphs(vae, max_graphs=1)
             replay_s = timed(lambda: decode_graphs.decode(latents), 10)

@@ -312,11 +312,15 @@ def test_audio_tower_graphs_match_the_transformers_tower(pipe):
 
 
 def test_compiled_decode_matches_the_convolution_path(pipe):
-    """The graph-replayed decoder with fused activation kernels against the plain convolution decoder (TF32)."""
+    """The graph-replayed decoder with fused activation kernels and the narrow convolutions on their kernel against
+    the plain convolution decoder (cuDNN, TF32)."""
     from auk_worker.model.alias_free import AliasFreeActivation
 
     activations = [m for m in pipe.vae.modules() if isinstance(m, AliasFreeActivation)]
     assert all(m.fused for m in activations)
+    on_kernel = [m for m in pipe.vae.modules() if getattr(m, "fast_weight", None) is not None]
+    assert len(on_kernel) == 54  # the AMP convolutions of the 96, 48 and 24 channel stages
+    fast_weights = [conv.fast_weight for conv in on_kernel]
     generator = torch.Generator("cuda").manual_seed(1)
     for frames in (150, 320, 700):  # a bucket's graph, a whole bucket, tiles of the largest bucket
         latents = torch.randn(1, frames, 64, device="cuda", generator=generator)
@@ -324,12 +328,45 @@ def test_compiled_decode_matches_the_convolution_path(pipe):
             fast = pipe._decode(latents)
             for m in activations:
                 m.fused = False
+            for conv in on_kernel:  # set aside and put back the very tensors the captured graphs read
+                conv.fast_weight = None
             try:
                 reference = pipe.vae.decode(latents)
             finally:
                 for m in activations:
                     m.fused = True
+                for conv, weight in zip(on_kernel, fast_weights):
+                    conv.fast_weight = weight
         compare(f"decode, {frames} frames, fused graphs vs convolutions", fast, reference, 1e-2)
+
+
+def test_causal_conv_kernel_matches_conv1d():
+    """The narrow-convolution kernel (TF32 products) against torch's conv1d in true fp32 and in TF32, at the release
+    widths and the longest lengths of a 12 s decode."""
+    import torch.nn.functional as F
+
+    from auk_worker.model.conv_kernel import causal_conv, tap_major
+
+    generator = torch.Generator("cuda").manual_seed(4)
+    tf32 = torch.backends.cudnn.allow_tf32
+    for channels, length in ((96, 72_000), (48, 144_000), (24, 288_000), (24, 37)):
+        for kernel, dilation in ((3, 1), (11, 5)):
+            weight = torch.randn(channels, channels, kernel, device="cuda", generator=generator) / (channels * kernel) ** 0.5
+            bias = torch.randn(channels, device="cuda", generator=generator)
+            x = F.pad(torch.randn(1, channels, length, device="cuda", generator=generator), (dilation * (kernel - 1), 0))
+            residual = torch.randn(1, channels, length, device="cuda", generator=generator)
+            with torch.inference_mode():
+                fast = causal_conv(x, tap_major(weight), bias, dilation, residual)
+                try:
+                    torch.backends.cudnn.allow_tf32 = False
+                    exact = residual + F.conv1d(x, weight, bias, dilation=dilation)
+                    torch.backends.cudnn.allow_tf32 = True
+                    cudnn = residual + F.conv1d(x, weight, bias, dilation=dilation)
+                finally:
+                    torch.backends.cudnn.allow_tf32 = tf32
+            what = f"causal conv kernel, {channels} x {length}, kernel {kernel}, dilation {dilation}"
+            compare(f"{what}, cuDNN TF32 vs fp32 (for scale)", cudnn, exact, 2e-3)
+            compare(f"{what}, vs fp32", fast, exact, 2e-3)
 
 
 def test_fused_activation_kernel_matches_the_convolutions():

@@ -26,6 +26,7 @@ from torch import nn
 
 from auk_worker.errors import AudioError, CheckpointError, ConfigError, InputError
 from auk_worker.model.alias_free import AliasFreeActivation, activation_span
+from auk_worker.model.conv_kernel import causal_conv
 from auk_worker.model.streams import beside, join
 
 logger = logging.getLogger(__name__)
@@ -143,13 +144,21 @@ class PaddedConv1d(nn.Conv1d):
         reach = dilation * (kernel - 1)
         super().__init__(cin, cout, kernel, dilation=dilation, padding=0 if causal else reach // 2, bias=bias)
         self.left_pad = reach if causal else 0
+        # The weight as ``conv_kernel.causal_conv`` reads it, where ``use_fast_convs`` hands this conv to that kernel.
+        self.fast_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, t] -> [b, cout, t]
         return super().forward(F.pad(x, (self.left_pad, 0)) if self.left_pad else x)
 
-    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, left_pad + t] -> [b, cout, t]
-        """``forward`` of an input that already starts with its ``left_pad`` zeros (an activation wrote them)."""
-        return super().forward(x)
+    def forward_padded(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [b, cin, left_pad + t] -> [b, cout, t]
+        """``forward`` of an input that already starts with its ``left_pad`` zeros (an activation wrote them),
+        plus ``residual`` when given."""
+        if self.fast_weight is not None:
+            return causal_conv(x, self.fast_weight, self.bias, self.dilation[0], residual)
+        y = super().forward(x)
+        return y if residual is None else residual + y
 
 
 class UpsampleConv(nn.ConvTranspose1d):
@@ -258,7 +267,7 @@ class AMPBlock(nn.Module):
         acts1, acts2 = self.activations[0::2], self.activations[1::2]
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, acts1, acts2):
             h = conv1.forward_padded(act1(x, conv1.left_pad))
-            x = x + conv2.forward_padded(act2(h, conv2.left_pad))
+            x = conv2.forward_padded(act2(h, conv2.left_pad), residual=x)
         return x
 
 
