@@ -348,13 +348,14 @@ def test_causal_conv_kernel_matches_conv1d():
     from auk_worker.model.conv_kernel import causal_conv, tap_major
 
     generator = torch.Generator("cuda").manual_seed(4)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
     tf32 = torch.backends.cudnn.allow_tf32
     for channels, length in ((96, 72_000), (48, 144_000), (24, 288_000), (24, 37)):
         for kernel, dilation in ((3, 1), (11, 5)):
-            weight = torch.randn(channels, channels, kernel, device="cuda", generator=generator) / (channels * kernel) ** 0.5
-            bias = torch.randn(channels, device="cuda", generator=generator)
-            x = F.pad(torch.randn(1, channels, length, device="cuda", generator=generator), (dilation * (kernel - 1), 0))
-            residual = torch.randn(1, channels, length, device="cuda", generator=generator)
+            weight = randn(channels, channels, kernel) / (channels * kernel) ** 0.5
+            bias = randn(channels)
+            x = F.pad(randn(1, channels, length), (dilation * (kernel - 1), 0))
+            residual = randn(1, channels, length)
             with torch.inference_mode():
                 fast = causal_conv(x, tap_major(weight), bias, dilation, residual)
                 try:
