@@ -30,8 +30,8 @@ from auk_worker.checkpoint import Release, file_digest, load_strict, read_releas
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, OutOfMemory
 from auk_worker.model.alias_free_kernel import use_fast_activations
-from auk_worker.model.conv_kernel import use_fast_convs
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
+from auk_worker.model.conv_kernel import use_fast_convs
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.fp8 import fp8_supported, use_fp8_block_linears

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, compile_dit_blocks
 from auk_worker.model.alias_free_kernel import use_fast_activations
-from auk_worker.model.conv_kernel import use_fast_convs
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
+from auk_worker.model.conv_kernel import use_fast_convs
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -183,9 +184,8 @@ class DownSample(nn.Module):
         return self.lowpass(x)
 
 
-PolyphaseFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, tuple[int, int], int], torch.Tensor
-]
+# ``polyphase_activation``'s signature, ``left_pad`` passed by keyword.
+PolyphaseFn = Callable[..., torch.Tensor]
 
 
 class AliasFreeActivation(nn.Module):
@@ -213,7 +213,7 @@ class AliasFreeActivation(nn.Module):
         lowpass = self.downsample.lowpass
         return self.polyphase_fn(
             x, self.act.alpha.detach(), self.act.beta.detach(), self.upsample.filter, lowpass.filter,
-            self.act.logscale, lowpass.pad, left_pad,
+            self.act.logscale, lowpass.pad, left_pad=left_pad,
         )  # detached: plain tensors, whose shapes dynamo may treat as dynamic
 
 
@@ -238,18 +238,9 @@ def compile_fused_activations(model: nn.Module, **options: object) -> int:
     after another (26 s on a 2-core CPU at release size) and only adds the fusion of the residual adds."""
     compiled = torch.compile(polyphase_activation, dynamic=True, fullgraph=True, **options)
 
-    def run(
-        x: torch.Tensor,
-        alpha: torch.Tensor,
-        beta: torch.Tensor,
-        up_taps: torch.Tensor,
-        down_taps: torch.Tensor,
-        logscale: bool,
-        down_pad: tuple[int, int],
-        left_pad: int = 0,
-    ) -> torch.Tensor:
+    def run(*args: Any, left_pad: int = 0) -> torch.Tensor:
         # The padding stays outside the compiled graph: its width would otherwise be one more guard.
-        return _left_padded(compiled(x, alpha, beta, up_taps, down_taps, logscale, down_pad), left_pad)
+        return _left_padded(compiled(*args), left_pad)
 
     return use_fused_activations(model, True, run)
 

@@ -111,8 +111,8 @@ def tap_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def use_fast_convs(model: nn.Module, device: torch.device, max_width: int = MAX_WIDTH) -> int:
-    """Run the causal, square convolutions of ``model``'s AMP blocks up to ``max_width`` channels with this kernel
-    (in TF32) where it can run on ``device``; returns how many (none off CUDA or without Triton)."""
+    """Run the causal, square, fp32 convolutions of ``model``'s AMP blocks up to ``max_width`` channels with this
+    kernel (in TF32) where it can run on ``device``; returns how many (none off CUDA or without Triton)."""
     return hand_convs_to_kernel(model, max_width) if available(device) else 0
 
 
@@ -125,7 +125,8 @@ def hand_convs_to_kernel(model: nn.Module, max_width: int = MAX_WIDTH) -> int:
     for block in model.modules():
         if isinstance(block, AMPBlock):
             for conv in (*block.convs1, *block.convs2):
-                fits = conv.left_pad and conv.in_channels == conv.out_channels <= max_width and conv.bias is not None
+                fits = (conv.left_pad and conv.in_channels == conv.out_channels <= max_width
+                        and conv.bias is not None and conv.weight.dtype == torch.float32)
                 conv.fast_weight = tap_major(conv.weight.detach()) if fits else None
                 count += bool(fits)
     return count
