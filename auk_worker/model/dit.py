@@ -609,14 +609,18 @@ def _visible_keys(key_mask: Tensor | None, enabled: bool, kernel: bool, device: 
     visible = key_mask[:, 0, 0, :]  # [bc, m]
     rows, m = visible.shape
     order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)  # built where the mask is, then moved
-    move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
     return VisibleKeys(
-        order=move(order),
-        slot=move(torch.argsort(order, dim=1).to(torch.int32)),
-        count=move(visible.sum(dim=1, dtype=torch.int32)),
-        starts=move(torch.arange(rows + 1, dtype=torch.int32) * m),
+        order=_to_device(order, device),
+        slot=_to_device(torch.argsort(order, dim=1).to(torch.int32), device),
+        count=_to_device(visible.sum(dim=1, dtype=torch.int32), device),
+        starts=_to_device(torch.arange(rows + 1, dtype=torch.int32) * m, device),
         kernel=kernel,
     )
+
+
+def _to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """A host tensor copied to ``device`` without waiting for it (None stays None)."""
+    return None if t is None else t.to(device, non_blocking=True)
 
 
 def _switch(setting: bool | None, supported: bool) -> bool:
@@ -713,12 +717,9 @@ class AuKDiT(nn.Module):
         ref_present = torch.arange(np_) < ref_lens[:, None]  # [b, np]
         ref_valid = torch.arange(np_) < ref_valid_lens[:, None]  # [b, np]
 
-        def on_device(mask: Tensor | None) -> Tensor | None:
-            return None if mask is None else mask.to(device, non_blocking=True)
-
         c = self.txt_norm(self.txt_proj(text.to(device=device, dtype=dtype)))  # [b, nt, d]
         ref_embed = None
-        ref_conv_mask = on_device(_all_or_none(ref_valid))
+        ref_conv_mask = _to_device(_all_or_none(ref_valid), device)
         if np_ > 0:
             ref = ref.to(device=device, dtype=dtype)
             ref_embed = self.audio_embed(ref, ref_conv_mask)  # [b, np, d]
@@ -739,7 +740,7 @@ class AuKDiT(nn.Module):
         single_present = torch.cat((text_valid, audio_present), dim=1)  # [bc, ns]
 
         def rope(present: Tensor) -> Rope:
-            return self.rotary_embed.tables(on_device(_positions(present)))
+            return self.rotary_embed.tables(_to_device(_positions(present), device))
 
         varlen = _switch(self.varlen_attention, varlen_attention_supported(device, dtype, config.dim_head))
         inputs_kernel = _switch(self.inputs_kernel, attention_inputs_kernel.available(device, dtype, config.dim_head))
@@ -750,18 +751,18 @@ class AuKDiT(nn.Module):
         joint = JointLayout(
             rope_audio=rope(audio_present),
             rope_text=rope(text_valid),
-            key_mask=on_device(joint_mask),
+            key_mask=_to_device(joint_mask, device),
             visible_keys=_visible_keys(joint_mask, varlen, attention_kernel, device),
-            audio_keep=on_device(_keep(audio_valid)),
-            text_keep=on_device(_keep(text_valid)),
+            audio_keep=_to_device(_keep(audio_valid), device),
+            text_keep=_to_device(_keep(text_valid), device),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
         )
         single = SingleLayout(
             rope=rope(single_present),
-            key_mask=on_device(single_mask),
+            key_mask=_to_device(single_mask, device),
             visible_keys=_visible_keys(single_mask, varlen, attention_kernel, device),
-            keep=on_device(_keep(torch.cat((text_valid, audio_valid), dim=1))),
+            keep=_to_device(_keep(torch.cat((text_valid, audio_valid), dim=1)), device),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
         )
@@ -769,7 +770,7 @@ class AuKDiT(nn.Module):
             cfg=cfg,
             text=c,
             ref=ref_embed,
-            target_mask=on_device(_all_or_none(target_valid)),
+            target_mask=_to_device(_all_or_none(target_valid), device),
             target_len=target_len,
             joint=joint,
             single=single,
