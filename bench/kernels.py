@@ -1,7 +1,7 @@
 """Where the GPU time of each stage goes: the top kernels of one DiT step, one VAE decode and one audio-tower pass.
 
     python -m bench.kernels [--text 155] [--ref 0] [--frames 150] [--batch 1] [--fp8] [--decode-frames 300]
-                            [--mel-frames 500] [--stages dit gemm norms attention decode audio encode]
+                            [--mel-frames 500] [--stages dit gemm norms attention position decode audio encode]
 
 Release-size random weights, fast precision. The DiT step runs its compiled blocks eagerly (no CUDA graph) so the
 profiler sees each kernel; the decode runs with the convolution activations, then as the pipeline runs it; the
@@ -99,6 +99,25 @@ def block_gemms(tokens: int) -> None:
         for precision, layer in (("bf16", linear), ("fp8", Fp8Linear(linear))):
             elapsed = replayed(lambda: layer(x))
             line += f"   {precision} {elapsed * 1e6:6.1f} ({2 * tokens * k * n / elapsed / 1e12:5.0f})"
+        print(line, flush=True)
+
+
+def position_convs(frames: int, rows: int) -> None:
+    """The audio embedding of a step's target (its linear, two position convolutions with Mish and the residual)
+    in the torch form (im2col and a batched product per convolution) and through the position-conv kernel, each
+    replayed from a graph of 50 calls, at ``frames`` frames for one job and for ``rows`` jobs (a bulk pass)."""
+    from auk_worker.model.dit import AudioEmbedding
+
+    embed = AudioEmbedding(64, RELEASE_ARCH["dim"]).to("cuda", torch.bfloat16)
+    embed.conv_pos_embed.packed_weights()
+    print(f"\n== target embedding at {frames} frames, microseconds per call:", flush=True)
+    for batch in (1, rows):
+        z = torch.randn(batch, frames, 64, device="cuda", dtype=torch.bfloat16)
+        mask = torch.ones(batch, frames, dtype=torch.bool, device="cuda")
+        mask[:, frames - 7 :] = False  # a bucket's padded tail
+        line = f"   {batch} job(s), padded tail"
+        for name, kernel in (("torch form", False), ("kernel", True)):
+            line += f"   {name} {replayed(lambda kernel=kernel: embed(z, mask, kernel)) * 1e6:7.1f}"
         print(line, flush=True)
 
 
@@ -269,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         positions = args.text + args.ref + args.frames + args.pad  # of one row
         if "gemm" in args.stages:
             block_gemms(2 * args.batch * positions)
+        if "position" in args.stages:
+            position_convs(args.frames, 8)
         if "norms" in args.stages:
             norm_kernels(2 * args.batch * positions)
         if "attention" in args.stages:

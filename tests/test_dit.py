@@ -14,6 +14,7 @@ from auk_worker.model import dit as dit_module
 from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
 from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
 from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
+from auk_worker.model.position_conv_kernel import position_conv_reference
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -422,6 +423,41 @@ def test_modulated_norm_kernel_path_matches_the_module_path(cfg: bool, monkeypat
     model.norm_kernel = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
         assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.norm_kernel
+
+
+@pytest.mark.parametrize("cfg", [False, True])
+def test_position_conv_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
+    """The GPU's form of the audio embedding's position convolutions (one call per convolution from the packed
+    weights, Mish, the padded frames' zeroing and the embedding's residual fused), run here with the kernel's torch
+    reference: the same velocity as the module path, for the reference (embedded once) and the target (each step)."""
+    calls = []
+    monkeypatch.setattr(dit_module, "position_conv",
+                        lambda *a: calls.append(a[3] is not None) or position_conv_reference(*a))  # fmt: skip
+    model = make_model(seed=5)
+    text, ref, x, lens, n, t = padded_rows(seed=53)
+    outputs = {}
+    with torch.no_grad():
+        for kernel in (False, True):
+            model.conv_kernel = kernel
+            ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
+            assert ctx.conv_kernel == kernel
+            outputs[kernel] = model(x, t, ctx)
+    # two convolutions for each of the reference, its uncond twin (with CFG) and the target, all with a mask
+    assert calls == [True] * 2 * (2 + cfg)
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=1e-5)
+    model.conv_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    with torch.no_grad():
+        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).conv_kernel
+
+
+def test_position_conv_weights_are_packed_again_only_when_a_weight_changes() -> None:
+    embed = make_model(seed=6).audio_embed.conv_pos_embed
+    first = embed.packed_weights()
+    assert embed.packed_weights() is first
+    with torch.no_grad():
+        embed.conv1d[2].weight.mul_(2)  # in place: same storage, new version
+    second = embed.packed_weights()
+    assert second is not first and torch.equal(second[1], 2 * first[1]) and torch.equal(second[0], first[0])
 
 
 def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:

@@ -259,6 +259,27 @@ def test_modulated_norm_kernel_matches_the_torch_form(pipe):
     compare_valid_frames("modulated-norm kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 
+def test_position_conv_kernel_matches_the_torch_form(pipe):
+    """The position-convolution kernel against an fp32 reference alone at release width (the DiT's own first
+    convolution, 12 s of target with a padded tail, and a residual), and in the release-size DiT against the torch
+    form (im2col and one batched product; a padded CFG batch, bf16)."""
+    from auk_worker.model.position_conv_kernel import pack, position_conv, position_conv_reference
+
+    conv = pipe.dit.audio_embed.conv_pos_embed.conv1d[0]
+    generator = torch.Generator("cuda").manual_seed(10)
+    x, residual = (torch.randn(2, 607, 1536, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(2))
+    keep = torch.arange(607, device="cuda")[None] < torch.tensor([[600], [560]], device="cuda")
+    with torch.inference_mode():
+        packed = pack(conv)
+        for what, mask, res in (("", None, None), (", padded rows and a residual", keep, residual)):
+            fast = position_conv(x, packed, conv.bias, mask, res)
+            reference = position_conv_reference(x.float(), packed, conv.bias, mask, res)
+            compare(f"position conv{what}, against fp32", fast, reference, 4e-3)  # bf16 rounding of the output
+
+    velocity = padded_cfg_velocity(pipe.dit, "conv_kernel", (True, False), seed=11)
+    compare_valid_frames("position-conv kernel vs torch form", velocity[True], velocity[False], 2e-2)
+
+
 def test_fp8_block_linears_at_release_size():
     """The opt-in fp8 precision on a release-size DiT (random weights): how far E4M3 block linears move the
     velocity from bf16, and the compiled graph path against eager with them."""

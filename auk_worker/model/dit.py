@@ -43,7 +43,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model import attention_inputs_kernel, modulated_norm_kernel, varlen_attention_kernel
+from auk_worker.model import (
+    attention_inputs_kernel,
+    modulated_norm_kernel,
+    position_conv_kernel,
+    varlen_attention_kernel,
+)
 from auk_worker.model.streams import beside, join
 
 logger = logging.getLogger(__name__)
@@ -171,6 +176,7 @@ class DiTContext:
     target_len: int  # n
     joint: JointLayout
     single: SingleLayout
+    conv_kernel: bool = False  # the target's position convolutions through the position-conv kernel
 
     @property
     def rows(self) -> int:
@@ -222,6 +228,25 @@ class ConvPositionEmbedding(nn.Module):
             nn.Conv1d(dim, dim, CONV_KERNEL, groups=CONV_GROUPS, padding=pad),
             nn.Mish(),
         )
+        self._packed: tuple[tuple[int, int], ...] | None = None  # what the packed weights were made from
+        self._packed_weights: tuple[Tensor, ...] = ()
+
+    def packed_weights(self) -> tuple[Tensor, ...]:
+        """Both convolutions' weights as the position-conv kernel reads them, packed again only when a weight
+        changed (loaded, moved, cast or written in place). Call it outside CUDA graph captures."""
+        convs = (self.conv1d[0], self.conv1d[2])
+        made_from = tuple((conv.weight.data_ptr(), conv.weight._version) for conv in convs)
+        if self._packed != made_from:
+            self._packed_weights = tuple(position_conv_kernel.pack(conv) for conv in convs)
+            self._packed = made_from
+        return self._packed_weights
+
+    def with_kernel(self, x: Tensor, mask: Tensor | None, residual: Tensor | None = None) -> Tensor:
+        """``forward(x, mask) + residual`` by two position-conv kernels (x [b, m, d] -> [b, m, d]); the weights
+        must be packed already (``packed_weights``)."""
+        (conv_a, _, conv_b, _), (packed_a, packed_b) = self.conv1d, self._packed_weights
+        h = position_conv(x, packed_a, conv_a.bias, mask)
+        return position_conv(h, packed_b, conv_b.bias, mask, residual)
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # x [b, m, d], mask [b, m]
         keep = None if mask is None else mask[:, None, :]  # [b, 1, m]
@@ -255,8 +280,11 @@ class AudioEmbedding(nn.Module):
         self.linear = nn.Linear(latent_dim, dim)
         self.conv_pos_embed = ConvPositionEmbedding(dim)
 
-    def forward(self, z: Tensor, mask: Tensor | None) -> Tensor:  # z [b, m, l] -> [b, m, d]
+    def forward(self, z: Tensor, mask: Tensor | None, kernel: bool = False) -> Tensor:  # z [b, m, l] -> [b, m, d]
+        """``kernel``: the position convolutions by the position-conv kernel (its weights packed already)."""
         h = self.linear(z)
+        if kernel:
+            return self.conv_pos_embed.with_kernel(h, mask, residual=h)
         return self.conv_pos_embed(h, mask) + h
 
 
@@ -332,6 +360,8 @@ def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=LAYER_NORM_EPS) * (1 + scale) + shift
 
 
+# The kernel of contexts with conv_kernel; CPU tests swap in a reference.
+position_conv = position_conv_kernel.position_conv
 # The kernels of layouts with norm_kernel; CPU tests swap in references.
 modulated_norm = modulated_norm_kernel.modulated_norm
 gated_residual_norm = modulated_norm_kernel.gated_residual_norm
@@ -658,6 +688,8 @@ class AuKDiT(nn.Module):
         self.norm_kernel: bool | None = None
         # The variable-length attention through the hand-written kernel instead of FlashAttention's.
         self.attention_kernel: bool | None = None
+        # The position convolutions of the audio embedding through the position-conv kernel.
+        self.conv_kernel: bool | None = None
         # The blocks' phases (compiled by compile_dit_blocks), and the CUDA stream the double blocks' text stream
         # runs on beside the audio stream (None: the current stream; StepGraphs sets one).
         self.phases = PLAIN_PHASES
@@ -717,19 +749,22 @@ class AuKDiT(nn.Module):
         ref_present = torch.arange(np_) < ref_lens[:, None]  # [b, np]
         ref_valid = torch.arange(np_) < ref_valid_lens[:, None]  # [b, np]
 
+        conv_kernel = _switch(self.conv_kernel, position_conv_kernel.available(device, dtype))
+        if conv_kernel:
+            self.audio_embed.conv_pos_embed.packed_weights()  # here, not in a step graph's capture
         c = self.txt_norm(self.txt_proj(text.to(device=device, dtype=dtype)))  # [b, nt, d]
         ref_embed = None
         ref_conv_mask = _to_device(_all_or_none(ref_valid), device)
         if np_ > 0:
             ref = ref.to(device=device, dtype=dtype)
-            ref_embed = self.audio_embed(ref, ref_conv_mask)  # [b, np, d]
+            ref_embed = self.audio_embed(ref, ref_conv_mask, conv_kernel)  # [b, np, d]
 
         def branches(cond: Tensor, uncond: Tensor) -> Tensor:
             return torch.cat((cond, uncond), dim=0) if cfg else cond
 
         c = branches(c, torch.zeros_like(c))  # uncond text is zeroed after txt_proj + txt_norm
-        if ref_embed is not None:
-            ref_embed = branches(ref_embed, self.audio_embed(torch.zeros_like(ref), ref_conv_mask))
+        if ref_embed is not None and cfg:  # embedded only for CFG's uncond rows
+            ref_embed = branches(ref_embed, self.audio_embed(torch.zeros_like(ref), ref_conv_mask, conv_kernel))
         text_valid, ref_present, ref_valid, target_present = (
             branches(mask, mask) for mask in (text_valid, ref_present, ref_valid, target_valid)
         )
@@ -774,6 +809,7 @@ class AuKDiT(nn.Module):
             target_len=target_len,
             joint=joint,
             single=single,
+            conv_kernel=conv_kernel,
         )
 
     def _modulation_layers(self) -> list[nn.Module]:
@@ -817,7 +853,7 @@ class AuKDiT(nn.Module):
                 modulation = modulation.repeat(2, 1)  # [2b, width]: cond rows, then uncond rows
         rows = iter(modulation.split(self.modulation_widths, dim=1))  # one [r, width_i] per adaLN layer, in layout order
 
-        target = self.audio_embed(x.to(self.dtype), ctx.target_mask)  # [b, n, d]
+        target = self.audio_embed(x.to(self.dtype), ctx.target_mask, ctx.conv_kernel)  # [b, n, d]
         if ctx.cfg:
             target = target.repeat(2, 1, 1)  # [2b, n, d]: cond rows, then uncond rows
         audio = target if ctx.ref is None else torch.cat((ctx.ref, target), dim=1)  # [bc, na, d]
