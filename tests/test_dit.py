@@ -458,6 +458,9 @@ def test_position_conv_weights_are_packed_again_only_when_a_weight_changes() -> 
         embed.conv1d[2].weight.mul_(2)  # in place: same storage, new version
     second = embed.packed_weights()
     assert second is not first and torch.equal(second[1], 2 * first[1]) and torch.equal(second[0], first[0])
+    with torch.inference_mode():  # weights made here keep no version count: packed once, by where they live
+        fresh = dit_module.ConvPositionEmbedding(64)
+        assert fresh.packed_weights() is fresh.packed_weights()
 
 
 def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:

@@ -216,6 +216,11 @@ class TimestepEmbedding(nn.Module):
         return self.time_mlp(wave.to(self.time_mlp[0].weight.dtype))
 
 
+def _version(t: Tensor) -> int:
+    """How many times ``t`` was written in place (0 for an inference tensor, which keeps no count)."""
+    return 0 if t.is_inference() else t._version
+
+
 class ConvPositionEmbedding(nn.Module):
     """Two grouped convolutions with Mish; frames outside ``mask`` are zeroed before and after each conv."""
 
@@ -235,7 +240,7 @@ class ConvPositionEmbedding(nn.Module):
         """Both convolutions' weights as the position-conv kernel reads them, packed again only when a weight
         changed (loaded, moved, cast or written in place). Call it outside CUDA graph captures."""
         convs = (self.conv1d[0], self.conv1d[2])
-        made_from = tuple((conv.weight.data_ptr(), conv.weight._version) for conv in convs)
+        made_from = tuple((conv.weight.data_ptr(), _version(conv.weight)) for conv in convs)
         if self._packed != made_from:
             self._packed_weights = tuple(position_conv_kernel.pack(conv) for conv in convs)
             self._packed = made_from
