@@ -19,7 +19,9 @@ precision runs a variable-length kernel over each row's visible keys (:class:`Vi
 elsewhere SDPA takes the boolean mask, as upstream does. Both attend over the same keys.
 There too, q, k and v go from the qkv projection to the attention's input in one kernel
 (``attention_inputs_kernel``: q and k normed and rotated, the double blocks' two streams straight into the joint
-sequence, k and v straight into the visible-first order).
+sequence, k and v straight into the visible-first order). In half precision on a GPU the audio embedding's two
+grouped position convolutions run as one ``position_conv_kernel`` call each (no im2col copy), with Mish, the
+padded frames' zeroing and the embedding's residual in the same pass.
 
 Shapes:
     b    requests (rows of the ODE state)
