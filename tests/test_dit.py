@@ -318,6 +318,21 @@ def assert_valid_frames_close(actual: torch.Tensor, expected: torch.Tensor) -> N
         torch.testing.assert_close(actual[i :: 2, : r["n"]], expected[i :: 2, : r["n"]], rtol=0, atol=1e-5)
 
 
+def velocity_per_setting(model: AuKDiT, seed: int, cfg: bool, settings: dict, with_ref: bool = True) -> dict:
+    """The padded rows' velocity under each of ``settings`` ({key: {model attribute: value}}, set in turn):
+    {key: (context, velocity)}."""
+    text, ref, x, lens, n, t = padded_rows(seed)
+    reference = (ref, lens["np"], lens["valid"]) if with_ref else (None, None, None)
+    results = {}
+    with torch.no_grad():
+        for key, switches in settings.items():
+            for name, value in switches.items():
+                setattr(model, name, value)
+            ctx = model.prepare(text, lens["nt"], *reference, n, lens["n"], cfg=cfg)
+            results[key] = ctx, model(x, t, ctx)
+    return results
+
+
 @pytest.mark.parametrize("cfg", [False, True])
 @pytest.mark.parametrize("with_ref", [True, False])
 def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_ref: bool, monkeypatch) -> None:
@@ -325,18 +340,12 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
     ``count``), run here with a reference kernel: the same velocity as the masked attention, padding included."""
     calls = []
     monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append(1) or reference_varlen_attention(*a))
-    model = make_model(seed=2)
-    text, ref, x, lens, n, t = padded_rows(seed=23)
-    outputs = {}
-    with torch.no_grad():
-        for varlen in (False, True):
-            model.varlen_attention = varlen
-            ctx = model.prepare(text, lens["nt"], ref if with_ref else None, lens["np"] if with_ref else None,
-                                lens["valid"] if with_ref else None, n, lens["n"], cfg=cfg)
-            assert (ctx.joint.visible_keys is not None) == varlen and (ctx.single.visible_keys is not None) == varlen
-            outputs[varlen] = model(x, t, ctx)
+    settings = {varlen: {"varlen_attention": varlen} for varlen in (False, True)}
+    results = velocity_per_setting(make_model(seed=2), 23, cfg, settings, with_ref)
+    for varlen, (ctx, _) in results.items():
+        assert (ctx.joint.visible_keys is not None) == varlen and (ctx.single.visible_keys is not None) == varlen
     assert len(calls) == TINY.num_layers + TINY.num_single_layers
-    assert_valid_frames_close(outputs[True], outputs[False])
+    assert_valid_frames_close(results[True][1], results[False][1])
 
 
 def test_the_hand_written_attention_kernel_takes_the_variable_length_calls(monkeypatch) -> None:
@@ -378,20 +387,19 @@ def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeyp
                         lambda *a: calls.append(len(a[0])) or attention_inputs_reference(*a))  # fmt: skip
     monkeypatch.setattr(dit_module, "varlen_attention", reference_varlen_attention)
     model = make_model(seed=3)
-    text, ref, x, lens, n, t = padded_rows(seed=33)
-    outputs = {}
-    with torch.no_grad():
-        for fused, varlen in ((False, False), (True, False), (True, True)):
-            model.inputs_kernel, model.varlen_attention = fused, varlen
-            ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
-            assert ctx.joint.inputs_kernel == ctx.single.inputs_kernel == fused
-            outputs[fused, varlen] = model(x, t, ctx)
+    settings = {(fused, varlen): {"inputs_kernel": fused, "varlen_attention": varlen}
+                for fused, varlen in ((False, False), (True, False), (True, True))}  # fmt: skip
+    results = velocity_per_setting(model, 33, cfg, settings)
+    for (fused, _), (ctx, _) in results.items():
+        assert ctx.joint.inputs_kernel == ctx.single.inputs_kernel == fused
+    outputs = {key: velocity for key, (_, velocity) in results.items()}
     assert calls == 2 * ([2] * TINY.num_layers + [1] * TINY.num_single_layers)  # joint blocks pass both streams
     torch.testing.assert_close(outputs[True, False], outputs[False, False], rtol=0, atol=1e-5)
     assert_valid_frames_close(outputs[True, True], outputs[False, False])
     model.inputs_kernel = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
-        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.inputs_kernel
+        ctx = model.prepare(rand(1, 5, 32, seed=1), torch.tensor([5]), None, None, None, 7, cfg=cfg)
+    assert not ctx.single.inputs_kernel
 
 
 @pytest.mark.parametrize("cfg", [False, True])
@@ -434,20 +442,15 @@ def test_position_conv_kernel_path_matches_the_module_path(cfg: bool, monkeypatc
     monkeypatch.setattr(dit_module, "position_conv",
                         lambda *a: calls.append(a[3] is not None) or position_conv_reference(*a))  # fmt: skip
     model = make_model(seed=5)
-    text, ref, x, lens, n, t = padded_rows(seed=53)
-    outputs = {}
-    with torch.no_grad():
-        for kernel in (False, True):
-            model.conv_kernel = kernel
-            ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
-            assert ctx.conv_kernel == kernel
-            outputs[kernel] = model(x, t, ctx)
+    results = velocity_per_setting(model, 53, cfg, {kernel: {"conv_kernel": kernel} for kernel in (False, True)})
+    assert [ctx.conv_kernel for ctx, _ in results.values()] == [False, True]
     # two convolutions for each of the reference, its uncond twin (with CFG) and the target, all with a mask
     assert calls == [True] * 2 * (2 + cfg)
-    torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=0, atol=1e-5)
     model.conv_kernel = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
-        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).conv_kernel
+        ctx = model.prepare(rand(1, 5, 32, seed=1), torch.tensor([5]), None, None, None, 7, cfg=cfg)
+    assert not ctx.conv_kernel
 
 
 def test_position_conv_weights_are_packed_again_only_when_a_weight_changes() -> None:
