@@ -240,7 +240,8 @@ class ConvPositionEmbedding(nn.Module):
 
     def packed_weights(self) -> tuple[Tensor, ...]:
         """Both convolutions' weights as the position-conv kernel reads them, packed again only when a weight
-        changed (loaded, moved, cast or written in place). Call it outside CUDA graph captures."""
+        changed (loaded, moved, cast or written in place). ``AuKDiT.prepare`` calls it, outside any CUDA graph
+        capture; a graph captured before a weight changes keeps reading the packing it was captured with."""
         convs = (self.conv1d[0], self.conv1d[2])
         made_from = tuple((conv.weight.data_ptr(), _version(conv.weight)) for conv in convs)
         if self._packed != made_from:
@@ -249,9 +250,8 @@ class ConvPositionEmbedding(nn.Module):
         return self._packed_weights
 
     def with_kernel(self, x: Tensor, mask: Tensor | None, residual: Tensor | None = None) -> Tensor:
-        """``forward(x, mask) + residual`` by two position-conv kernels (x [b, m, d] -> [b, m, d]); the weights
-        must be packed already (``packed_weights``)."""
-        (conv_a, _, conv_b, _), (packed_a, packed_b) = self.conv1d, self._packed_weights
+        """``forward(x, mask) + residual`` by two position-conv kernels (x [b, m, d] -> [b, m, d])."""
+        (conv_a, _, conv_b, _), (packed_a, packed_b) = self.conv1d, self.packed_weights()
         h = position_conv(x, packed_a, conv_a.bias, mask)
         return position_conv(h, packed_b, conv_b.bias, mask, residual)
 
@@ -288,7 +288,7 @@ class AudioEmbedding(nn.Module):
         self.conv_pos_embed = ConvPositionEmbedding(dim)
 
     def forward(self, z: Tensor, mask: Tensor | None, kernel: bool = False) -> Tensor:  # z [b, m, l] -> [b, m, d]
-        """``kernel``: the position convolutions by the position-conv kernel (its weights packed already)."""
+        """``kernel``: the position convolutions by the position-conv kernel."""
         h = self.linear(z)
         if kernel:
             return self.conv_pos_embed.with_kernel(h, mask, residual=h)

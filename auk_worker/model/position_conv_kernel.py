@@ -4,8 +4,8 @@
 padding), each followed by Mish, with the padded positions zeroed around them; the target's embedding runs at
 every ODE step. cuDNN runs grouped convolutions group by group, far from their arithmetic cost, so on the GPU the
 torch form (``dit._grouped_conv_as_bmm``) builds an im2col copy, 31 times the input (57 MB for a 12 s target in
-bf16), and multiplies it in one batched product; with its copies and element-wise kernels that takes about
-0.2 ms of a 12 s step on an H200. Here one program computes ``BLOCK_T`` positions of one group's output channels
+bf16), and multiplies it in one batched product: about 0.2 ms of a 12 s zero-shot step on an H200 by an eager
+profile (eight element-wise kernels and two batched products). Here one program computes ``BLOCK_T`` positions of one group's output channels
 as a sum of matrix products, one per tap and block of ``CI_BLOCK`` input channels, reading the input straight from
 its [b, m, d] layout (the embedding linear's output: no transposes, no im2col):
 
@@ -46,7 +46,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 def _blocks(ci: int) -> tuple[int, int]:
     """(CI_BLOCK, CO_BLOCK) for ``ci`` channels a group: input channels in blocks of up to 32, output channels
     padded to a power of two; both at least 16, a matrix product's least."""
-    co_block = max(16, triton.next_power_of_2(ci) if triton is not None else 16)
+    co_block = max(16, 1 << (ci - 1).bit_length())
     return min(32, co_block), co_block
 
 
