@@ -42,6 +42,15 @@ def make_ctx(dit: AuKDiT, rows: int, text: int, ref: int, frames: int, pad: int)
     return ctx, torch.randn(rows, n, 64, device=device)
 
 
+def apply_settings(model: AuKDiT, settings: dict) -> bool:
+    """Set a variant's DiT attributes on ``model``; returns its ``text_stream`` entry (default True), which is the
+    step graphs' setting, not the model's."""
+    for setting, value in settings.items():
+        if setting != "text_stream":
+            setattr(model, setting, value)
+    return settings.get("text_stream", True)
+
+
 def durations(fn, repeats: int = 20) -> list[float]:
     """Seconds of each of ``repeats`` calls, each from a drained GPU to a drained GPU."""
     times = []
@@ -105,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         variants = [variant for variant in variants if variant[0] in args.variants]
     with torch.inference_mode():
         for name, model, pad, settings in variants:
-            settings = dict(settings)
-            text_stream = settings.pop("text_stream", True)
-            for setting, value in settings.items():
-                setattr(model, setting, value)
+            text_stream = apply_settings(model, settings)
             ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
             graphs = StepGraphs(model, 4, compile_blocks=False, text_stream=text_stream)
             velocity = guided_velocity(model, ctx, 2.0)
@@ -126,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for dynamic in dynamics:
             torch._dynamo.reset()
             for name, model, pad, settings in variants:
-                settings = dict(settings)
-                text_stream = settings.pop("text_stream", True)
-                for setting, value in settings.items():
-                    setattr(model, setting, value)
+                text_stream = apply_settings(model, settings)
                 ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
                 graphs = StepGraphs(model, 4, compile_blocks=True, dynamic=dynamic, text_stream=text_stream)
                 started = time.perf_counter()
