@@ -142,10 +142,10 @@ def run(args: argparse.Namespace) -> dict:
         from auk_worker.pipeline import AuKPipeline
         from auk_worker.tiny import make_tiny_checkpoint
 
-        root = tempfile.mkdtemp(prefix="auk-tiny-")
         started = time.perf_counter()
-        base = AuKPipeline.load(make_tiny_checkpoint(f"{root}/base"), device=args.device)
-        flash = AuKPipeline.load(make_tiny_checkpoint(f"{root}/flash", variant="flash"), device=args.device)
+        with tempfile.TemporaryDirectory(prefix="auk-tiny-") as root:  # loading reads everything it needs
+            base = AuKPipeline.load(make_tiny_checkpoint(f"{root}/base"), device=args.device)
+            flash = AuKPipeline.load(make_tiny_checkpoint(f"{root}/flash", variant="flash"), device=args.device)
         startup = {"make_and_load_s": time.perf_counter() - started}
     else:
         from bench.models import random_pipeline

@@ -165,6 +165,10 @@ class S3Server:
     """SeaweedFS in one process (master, volume, filer, S3 gateway) with enforced signatures."""
 
     region = "us-east-1"
+    # SeaweedFS marks every volume read-only when the disk has less free space than this. Its default, 1 % of the
+    # disk, is gigabytes on a large shared disk (it refused every write with 1.1 GB free of 270 GB); the service's
+    # test and demo data are a few MB.
+    min_free_disk = 256 * 2**20
 
     def __init__(self, workdir: Path, access_key: str | None = None, secret_key: str | None = None) -> None:
         self.workdir = Path(workdir)
@@ -205,6 +209,10 @@ class S3Server:
     def start(self, timeout: float = 60.0) -> S3Server:
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(data).free
+        if free < 2 * self.min_free_disk:  # it would start, list buckets, then time out on the first upload
+            raise RuntimeError(f"only {free / 2**20:.0f} MiB free on the disk of {data}: SeaweedFS refuses writes "
+                               f"below {self.min_free_disk / 2**20:.0f} MiB; free some space and start again")
         if not self.ports:  # keep the same ports across a restart, so running clients reconnect
             taken: set[int] = set()  # each server also listens on its port + 10000 (gRPC)
             for name in ("master", "volume", "filer", "s3"):
@@ -224,6 +232,7 @@ class S3Server:
             f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=64", "-volume.max=16", "-filer.saveToFilerLimit=1048576",
+            f"-volume.minFreeSpace={self.min_free_disk // 2**20}MiB",
         ]  # fmt: skip
         self.proc = _spawn(cmd, self.log, cwd=self.workdir)
         client = self.client()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from auk_worker.service import local
 
 
@@ -28,3 +30,13 @@ def test_free_port_never_hands_out_a_port_already_taken_by_the_same_start(monkey
     assert first == 41721
     taken = frozenset({first, first + local.GRPC_OFFSET})
     assert local.free_port(also_free_offset=local.GRPC_OFFSET, taken=taken) == 30500
+
+
+def test_storage_start_refuses_a_disk_too_full_for_writes(monkeypatch, tmp_path) -> None:
+    """SeaweedFS would start and list buckets on such a disk, then time out on every upload: refuse before."""
+    real = local.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(local.shutil, "disk_usage", lambda path: real._replace(free=300 * 2**20))
+    server = local.S3Server(tmp_path / "s3")
+    with pytest.raises(RuntimeError, match=r"only 300 MiB free on the disk of .*s3/data: SeaweedFS refuses writes"):
+        server.start()
+    assert server.proc is None  # nothing was spawned
