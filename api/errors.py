@@ -64,10 +64,13 @@ def require_cancelable(status: JobStatus, job_id: str) -> None:
         raise ApiError(409, "already_finished", f"job {job_id!r} is already {status.value} and cannot be canceled")
 
 
-def batch_state(counts: Mapping[str, int], total: int) -> str:
-    """A batch is ``done`` once every one of its jobs reached a terminal state."""
+def batch_state(counts: Mapping[str, int], total: int, manifest_stored: bool) -> str:
+    """``running`` while a job of the batch is not terminal, ``finishing`` while the worker that ended the last one
+    writes the manifest, then ``done``: a caller who waits for ``done`` always finds the manifest linked."""
     finished = sum(counts.get(status.value, 0) for status in TERMINAL)
-    return "done" if finished >= total else "running"
+    if finished < total:
+        return "running"
+    return "done" if manifest_stored else "finishing"
 
 
 def describe_validation_errors(errors: Iterable[Mapping[str, Any]], *, skip: Sequence[str] = ("body",)) -> list[dict]:

@@ -181,9 +181,9 @@ def get_batch(batch_id: str, owner: str = Depends(caller), svc: Services = Depen
     batch = svc.store.get_batch(batch_id)
     if batch is None or batch["owner"] != owner:
         raise not_found("batch", batch_id)
-    status = batch_state(batch["counts"], batch["total"])
+    status = batch_state(batch["counts"], batch["total"], manifest_stored=bool(batch.get("manifest_key")))
     manifest = None
-    if status == "done" and batch.get("manifest_key"):
+    if status == "done":
         key = batch["manifest_key"]
         manifest = {"key": key, "url": svc.storage.presign_get(key, svc.settings.presign_seconds)}
     return {"id": batch["id"], "total": batch["total"], "counts": batch["counts"], "status": status,

@@ -270,7 +270,7 @@ def _fetch(api: Api, argv: Sequence[str]) -> int:
             print(dest)
             return 0
         if record["status"] != "done":
-            print(f"batch {args.id} is still running; fetching the jobs that have finished", file=sys.stderr)
+            print(f"batch {args.id} is {record['status']}; fetching the jobs that have finished", file=sys.stderr)
         written = 0
         names: set[str] = set()
         for job in api.batch_jobs(args.id):
