@@ -14,7 +14,8 @@ Keys (namespace ``auk``):
 - ``auk:worker:{hostname}``   hash: a worker's heartbeat (see ``health.py``); ``auk:workers`` set of hostnames
 
 Batch counters move inside the same script as the job, so ``get_batch`` is O(1). The worker that records a
-batch's last terminal job claims the manifest (``Transition.batch_done``) and writes it once.
+batch's last terminal job is told so (``Transition.batch_done``) and writes the manifest; a later delivery of any of
+the batch's jobs writes it if it is still missing (the canceled jobs' case, or that worker's death).
 """
 
 from __future__ import annotations
@@ -252,15 +253,6 @@ end
 return status
 """
 
-# KEYS: batch. Claims the manifest when every job is terminal and nobody has claimed it yet.
-_CLAIM = """
-local total = tonumber(redis.call('HGET', KEYS[1], 'total') or '-1')
-local done = tonumber(redis.call('HGET', KEYS[1], 'terminal') or '0')
-if total < 0 or done < total then return 0 end
-return redis.call('HSETNX', KEYS[1], 'manifest_claimed', '1')
-"""
-
-
 class JobStore:
     """Job and batch records in Redis. The client must use ``decode_responses=True``."""
 
@@ -271,7 +263,6 @@ class JobStore:
         self._start = redis_client.register_script(_START)
         self._transition = redis_client.register_script(_TRANSITION)
         self._progress = redis_client.register_script(_PROGRESS)
-        self._claim = redis_client.register_script(_CLAIM)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "auk") -> JobStore:
@@ -412,7 +403,7 @@ class JobStore:
         """queued/running -> canceled for the job's owner; None for another owner, a missing or terminal job.
 
         A running job sees the change at its next step and stops. The task that later meets the canceled
-        record writes the batch manifest if this was the batch's last job (``claim_batch_manifest``).
+        record writes the batch manifest if this was the batch's last job.
         """
         record = self.get(job_id)
         if record is None or record.owner != owner:
@@ -462,14 +453,6 @@ class JobStore:
         """The batch's jobs in submission order."""
         ids = self.redis.zrange(self.batch_jobs_key(batch_id), 0, -1)
         return [rec for rec in self.get_many(ids) if rec is not None]
-
-    def claim_batch_manifest(self, batch_id: str) -> bool:
-        """True exactly once, for the first caller after every job of the batch is terminal."""
-        return bool(self._claim(keys=[self.batch_key(batch_id)]))
-
-    def release_batch_manifest(self, batch_id: str) -> None:
-        """Give the manifest claim back (its upload failed) so the next attempt can claim it."""
-        self.redis.hdel(self.batch_key(batch_id), "manifest_claimed")
 
     def set_batch_manifest(self, batch_id: str, key: str) -> None:
         self.redis.hset(self.batch_key(batch_id), mapping={"manifest_key": key, "finished_at": utc_now()})

@@ -331,9 +331,17 @@ def _fail(rt: RenderRuntime, job_id: str, code: str, message: str) -> JobRecord 
 
 
 def _after_terminal(rt: RenderRuntime, job_id: str, record: JobRecord | None) -> None:
-    """A job ended without this attempt's transition (canceled): write its batch's manifest if it was the last."""
+    """A job ended without this attempt's transition (canceled, or finished by an attempt that died before its
+    message was acknowledged): write its batch's manifest if every job has ended and none is stored.
+
+    The manifest's claim is not asked for here. A worker killed between claiming it and storing it holds the claim
+    for good, and the redelivery of its message is what is left to write it. A second write, racing the
+    claimant's, stores the same bytes: the records of an ended batch no longer change."""
     record = record or rt.store.get(job_id)
-    if record is not None and record.batch_id and rt.store.claim_batch_manifest(record.batch_id):
+    if record is None or not record.batch_id:
+        return
+    batch = rt.store.get_batch(record.batch_id)
+    if batch is not None and batch["done"] and batch["manifest_key"] is None:
         write_manifest(rt, record.batch_id)
 
 
@@ -348,11 +356,8 @@ def write_manifest(rt: RenderRuntime, batch_id: str) -> str:
             line["error"] = record.error
         lines.append(json.dumps(line, separators=(",", ":")))
     key = manifest_key(rt.settings.s3_prefix, batch_id)
-    try:
-        rt.storage.put_bytes(key, ("\n".join(lines) + "\n").encode(), "application/x-ndjson")
-    except InfraError:
-        rt.store.release_batch_manifest(batch_id)  # the retry of this task claims and writes it again
-        raise
+    # If storage refuses, the InfraError retries the task; its delivery meets an ended job and writes it then.
+    rt.storage.put_bytes(key, ("\n".join(lines) + "\n").encode(), "application/x-ndjson")
     rt.store.set_batch_manifest(batch_id, key)
     log.info("batch %s: manifest of %d jobs written to %s", batch_id, len(lines), key)
     return key

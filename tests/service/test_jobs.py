@@ -161,7 +161,7 @@ def test_start_is_atomic_under_concurrent_deliveries(store: JobStore) -> None:
     assert final.attempts == 8 and final.kills == 7  # every later start saw a running record held by another
 
 
-def test_batch_counters_and_the_last_job_claims_the_manifest(store: JobStore, redis_client) -> None:
+def test_batch_counters_and_the_last_job_is_told_the_batch_is_done(store: JobStore, redis_client) -> None:
     records = [new(t=i, custom_id=f"c{i}") for i in range(4)]
     batch_id = store.create_batch(ALICE, records)
     batch = store.get_batch(batch_id)
@@ -176,24 +176,13 @@ def test_batch_counters_and_the_last_job_claims_the_manifest(store: JobStore, re
     assert store.get_batch(batch_id)["counts"]["running"] == 3
     assert not store.finish(records[0].id, {"key": "a"}).batch_done
     assert not store.fail(records[1].id, "invalid_audio", "bad").batch_done
-    store.cancel(records[3].id, ALICE)  # a cancel never claims: the task that meets it does
-    assert not store.claim_batch_manifest(batch_id)
+    assert store.cancel(records[3].id, ALICE) is not None  # counted like any end; the manifest is a worker's to write
     last = store.finish(records[2].id, {"key": "c"})
     assert last.batch_done
-    assert not store.claim_batch_manifest(batch_id)  # claimed once only
     batch = store.get_batch(batch_id)
-    assert batch["done"] and batch["counts"] == {"queued": 0, "running": 0, "succeeded": 2, "failed": 1, "canceled": 1}
-    store.release_batch_manifest(batch_id)
-    assert store.claim_batch_manifest(batch_id)
+    assert batch["done"] and batch["manifest_key"] is None
+    assert batch["counts"] == {"queued": 0, "running": 0, "succeeded": 2, "failed": 1, "canceled": 1}
+    assert not store.fail(records[2].id, "invalid_audio", "late").changed  # an ended job stays as it is
     store.set_batch_manifest(batch_id, "jobs/batch-x.manifest.jsonl")
     assert store.get_batch(batch_id)["manifest_key"] == "jobs/batch-x.manifest.jsonl"
     assert store.get_batch("missing") is None
-
-
-def test_batch_of_canceled_jobs_is_claimed_by_whoever_checks_first(store: JobStore) -> None:
-    records = [new(t=i) for i in range(2)]
-    batch_id = store.create_batch(ALICE, records)
-    for r in records:
-        store.cancel(r.id, ALICE)
-    claims = [store.claim_batch_manifest(batch_id) for _ in range(3)]
-    assert claims == [True, False, False]

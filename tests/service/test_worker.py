@@ -162,6 +162,41 @@ def wait_for_batch_manifest(store: JobStore, batch_id: str, timeout: float = 15.
     raise AssertionError(f"batch {batch_id}: no manifest after {timeout} s: {store.get_batch(batch_id)}")
 
 
+def test_a_delivery_of_an_ended_batch_writes_its_missing_manifest(start_worker, store, settings, storage,
+                                                                   redis_client) -> None:  # fmt: skip
+    """Two batches whose last end no worker followed with a manifest: one whose worker recorded the last job and
+    died before the upload (scripted here with the store), one whose jobs were all canceled while queued. The next
+    delivery of any of their jobs writes the manifest, once."""
+    died = [make_record({"instruction": f"Line {i}.", "gen_seconds": 0.2, "custom_id": f"d{i}", "priority": "bulk"})
+            for i in range(2)]  # fmt: skip
+    died_batch = store.create_batch(OWNER, died)
+    for record in died:
+        store.start(record.id, "gone-host:1")
+    assert not store.finish(died[0].id, {"key": "jobs/d0.wav"}).batch_done
+    assert store.fail(died[1].id, "invalid_audio", "scripted").batch_done  # that worker's turn to write it
+    canceled = [make_record({"instruction": "Hi.", "gen_seconds": 0.2, "priority": "bulk"}) for _ in range(2)]
+    canceled_batch = store.create_batch(OWNER, canceled)
+    for record in canceled:
+        store.cancel(record.id, OWNER)
+    assert store.get_batch(died_batch)["manifest_key"] is None and store.get_batch(canceled_batch)["done"]
+
+    worker = start_worker("w-manifest")
+    worker.wait_state(redis_client, "ready", timeout=60)
+    for record in (died[1], *canceled):  # each batch's messages, as the broker would redeliver or deliver them
+        send(settings, record)
+    died_lines = [json.loads(line) for line in storage.get_bytes(
+        storage.bucket, wait_for_batch_manifest(store, died_batch)["manifest_key"]).decode().splitlines()]
+    assert [(line["custom_id"], line["status"]) for line in died_lines] == [("d0", "succeeded"), ("d1", "failed")]
+    assert died_lines[0]["key"] == "jobs/d0.wav" and died_lines[1]["error"]["code"] == "invalid_audio"
+    canceled_lines = storage.get_bytes(
+        storage.bucket, wait_for_batch_manifest(store, canceled_batch)["manifest_key"]).decode().splitlines()
+    assert [json.loads(line)["status"] for line in canceled_lines] == ["canceled", "canceled"]
+    wait_for(store, died[0].id, lambda r: broker_idle(redis_client), 10, "the broker to drain")
+    assert all(store.get(r.id).attempts == 1 for r in died) and wavs(storage, settings) == []  # nothing rendered
+    log = worker.log_tail(20_000)
+    assert log.count(f"batch {canceled_batch}: manifest") == 1, log  # the second delivery found it stored
+
+
 def test_tiny_checkpoint_job_succeeds(start_worker, tiny_checkpoint, store, settings, storage, redis_client) -> None:
     worker = start_worker("w-tiny", ["--checkpoint", str(tiny_checkpoint)], AUK_PIPELINE="auk")
     worker.wait_state(redis_client, "ready", timeout=120)
