@@ -65,8 +65,8 @@ def require_cancelable(status: JobStatus, job_id: str) -> None:
 
 
 def batch_state(counts: Mapping[str, int], total: int, manifest_stored: bool) -> str:
-    """``running`` while a job of the batch is not terminal, ``finishing`` while the worker that ended the last one
-    writes the manifest, then ``done``: a caller who waits for ``done`` always finds the manifest linked."""
+    """``running`` while a job of the batch is not terminal, ``finishing`` until its manifest is stored, then
+    ``done``: a caller who waits for ``done`` always finds the manifest linked."""
     finished = sum(counts.get(status.value, 0) for status in TERMINAL)
     if finished < total:
         return "running"

@@ -334,9 +334,9 @@ def _after_terminal(rt: RenderRuntime, job_id: str, record: JobRecord | None) ->
     """A job ended without this attempt's transition (canceled, or finished by an attempt that died before its
     message was acknowledged): write its batch's manifest if every job has ended and none is stored.
 
-    The manifest's claim is not asked for here. A worker killed between claiming it and storing it holds the claim
-    for good, and the redelivery of its message is what is left to write it. A second write, racing the
-    claimant's, stores the same bytes: the records of an ended batch no longer change."""
+    A worker killed between recording a batch's last job and storing the manifest leaves only the redelivery of
+    its message to write it, so this does not wait for a turn. A second write, racing that worker's, stores the
+    same bytes: the records of an ended batch no longer change."""
     record = record or rt.store.get(job_id)
     if record is None or not record.batch_id:
         return
