@@ -15,6 +15,10 @@ the twelve shifted windows the decimator's taps need: two sines per output. (The
 recomputed each oversampled sample for the six outputs that read it, about 12 sines per output.) Where the
 decimator's window runs off an end, the clamp gives the first or last oversampled sample, two scalars per row.
 
+The clamps and the edge scalars matter only where a block's reads reach past a row's ends: a block whose reads
+all fall inside its row (every block but a row's first and last one or two) runs without them, a constexpr copy
+of the same code, with the same loads and sums in the same order.
+
 The kernel reads its input through the batch and channel strides, so a slice along time (the causal upsampler's
 trimmed output) is not copied first, and it writes the zeros the next causal convolution reads before each row's
 outputs (``left_pad``), which saves that convolution a padded copy: together 8 % of a 600-frame decode.
@@ -38,6 +42,8 @@ except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
 BLOCK = 256  # outputs per program
+# Blocks inside a row skip the edge handling (see above); False sends every block through it, for the tests.
+INTERIOR_PATH = True
 HALO = 8  # scratch slots past a block's own: its decimator windows reach 6 input positions further
 PAD_BLOCK = 64  # the most zeros written before a row's outputs (the release decoder's widest causal conv: 50)
 
@@ -64,28 +70,67 @@ if triton is not None:
             return u + inv_beta * (s * s)
 
     @triton.jit
-    def _clamped(ptr, index, last):
-        return tl.load(ptr + tl.minimum(tl.maximum(index, 0), last)).to(tl.float32)
+    def _x(ptr, index, last, CLAMP: tl.constexpr):
+        if CLAMP:
+            index = tl.minimum(tl.maximum(index, 0), last)
+        return tl.load(ptr + index).to(tl.float32)
 
     @triton.jit
-    def _oversampled(x_row, j, last, up_ptr, alpha, inv_beta, PHASE: tl.constexpr):
-        """s(2j + PHASE) for a vector of input positions j (clamped into the row)."""
+    def _oversampled(x_row, j, last, up_ptr, alpha, inv_beta, PHASE: tl.constexpr, CLAMP: tl.constexpr = True):
+        """s(2j + PHASE) for a vector of input positions j (clamped into the row; CLAMP False: j - 3 ... j + 3 all
+        inside it)."""
         u = tl.zeros(j.shape, dtype=tl.float32)
         for r in tl.static_range(6):
-            u += tl.load(up_ptr + 2 * r + 1 - PHASE).to(tl.float32) * _clamped(x_row, j + 2 + PHASE - r, last)
+            u += tl.load(up_ptr + 2 * r + 1 - PHASE).to(tl.float32) * _x(x_row, j + 2 + PHASE - r, last, CLAMP)
         return _snake(2.0 * u, alpha, inv_beta)
+
+    @triton.jit
+    def _block(
+        x_row, y_row, scratch, first, t, y_pad, up_ptr, down_ptr, alpha, inv_beta,
+        LEFT: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr, HALO: tl.constexpr, EDGES: tl.constexpr,
+    ):
+        """The block of outputs from ``first``; EDGES: its reads may reach past the row's ends (clamps and the
+        decimator's edge scalars), else they all fall inside it."""
+        i = first + tl.arange(0, BLOCK)  # output samples
+        last = t - 1
+        if EDGES:
+            # What the decimator's replicate padding repeats past the ends: the oversampled signal's first sample
+            # (phase 0 at j = 0) and last (phase 1 at j = t - 1).
+            s_first = tl.sum(_oversampled(x_row, tl.zeros((1,), dtype=tl.int32), last, up_ptr, alpha, inv_beta, 0))
+            s_last = tl.sum(_oversampled(x_row, tl.full((1,), 0, tl.int32) + last, last, up_ptr, alpha, inv_beta, 1))
+
+        # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p, with phase p = (k + LEFT) % 2 and
+        # d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), so d runs over LOW ... LOW + 5: the block reads input
+        # positions j = first + LOW ... first + BLOCK - 1 + LOW + 5, held as BLOCK + HALO scratch slots per phase.
+        body = tl.arange(0, BLOCK)
+        halo = BLOCK + tl.arange(0, HALO)
+        for p in tl.static_range(2):
+            slots = scratch + p * (BLOCK + HALO)
+            tl.store(slots + body, _oversampled(x_row, first + LOW + body, last, up_ptr, alpha, inv_beta, p, EDGES))
+            tl.store(slots + halo, _oversampled(x_row, first + LOW + halo, last, up_ptr, alpha, inv_beta, p, EDGES))
+        tl.debug_barrier()  # every thread's slots are written before any thread reads its neighbours'
+
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(12):
+            p = (k + LEFT) % 2
+            d = (k + 12 - LEFT) // 2 - 6
+            s = tl.load(scratch + p * (BLOCK + HALO) + (d - LOW) + body)
+            if EDGES:
+                m = 2 * i + (k - LEFT)
+                s = tl.where(m < 0, s_first, tl.where(m > 2 * last + 1, s_last, s))
+            acc += tl.load(down_ptr + k).to(tl.float32) * s
+        tl.store(y_row + y_pad + i, acc.to(y_row.dtype.element_ty), mask=i < t)
 
     @triton.jit
     def _alias_free_kernel(
         x_ptr, y_ptr, scratch_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, t, channels, x_batch_stride,
         x_channel_stride, y_pad,
         LEFT: tl.constexpr, LOW: tl.constexpr, LOGSCALE: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr,
-        HALO: tl.constexpr, PAD_BLOCK: tl.constexpr,
+        HALO: tl.constexpr, PAD_BLOCK: tl.constexpr, INTERIOR: tl.constexpr,
     ):
         row = tl.program_id(1)  # b * channels + c
         channel = row % channels
         first = tl.program_id(0) * BLOCK  # this block's first output sample
-        i = first + tl.arange(0, BLOCK)  # output samples
         x_row = x_ptr + (row // channels).to(tl.int64) * x_batch_stride + channel.to(tl.int64) * x_channel_stride
         y_row = y_ptr + row.to(tl.int64) * (y_pad + t)  # y_pad zeros, then the t outputs
         if tl.program_id(0) == 0:
@@ -97,33 +142,17 @@ if triton is not None:
             alpha = tl.exp(alpha)
             beta = tl.exp(beta)
         inv_beta = 1.0 / (beta + EPS)
-        last = t - 1
-        # What the decimator's replicate padding repeats past the ends: the oversampled signal's first sample
-        # (phase 0 at j = 0) and last (phase 1 at j = t - 1).
-        s_first = tl.sum(_oversampled(x_row, tl.zeros((1,), dtype=tl.int32), last, up_ptr, alpha, inv_beta, 0))
-        s_last = tl.sum(_oversampled(x_row, tl.full((1,), 0, tl.int32) + last, last, up_ptr, alpha, inv_beta, 1))
-
-        # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p, with phase p = (k + LEFT) % 2 and
-        # d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), so d runs over LOW ... LOW + 5: the block reads input
-        # positions j = first + LOW ... first + BLOCK - 1 + LOW + 5, held as BLOCK + HALO scratch slots per phase.
         scratch = scratch_ptr + (row.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (2 * (BLOCK + HALO))
-        body = tl.arange(0, BLOCK)
-        halo = BLOCK + tl.arange(0, HALO)
-        for p in tl.static_range(2):
-            slots = scratch + p * (BLOCK + HALO)
-            tl.store(slots + body, _oversampled(x_row, first + LOW + body, last, up_ptr, alpha, inv_beta, p))
-            tl.store(slots + halo, _oversampled(x_row, first + LOW + halo, last, up_ptr, alpha, inv_beta, p))
-        tl.debug_barrier()  # every thread's slots are written before any thread reads its neighbours'
-
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k in tl.static_range(12):
-            p = (k + LEFT) % 2
-            d = (k + 12 - LEFT) // 2 - 6
-            s = tl.load(scratch + p * (BLOCK + HALO) + (d - LOW) + body)
-            m = 2 * i + (k - LEFT)
-            s = tl.where(m < 0, s_first, tl.where(m > 2 * last + 1, s_last, s))
-            acc += tl.load(down_ptr + k).to(tl.float32) * s
-        tl.store(y_row + y_pad + i, acc.to(y_ptr.dtype.element_ty), mask=i < t)
+        # Inside the row: the upsampler's reads, x[first + LOW - 3 ... first + LOW + BLOCK + HALO + 2], and the
+        # decimator's, m = 2 * first - LEFT ... 2 * (first + BLOCK - 1) + 11 - LEFT.
+        inside = (first + LOW - 3 >= 0) & (first + LOW + BLOCK + HALO + 2 <= t - 1)
+        inside = inside & (2 * first - LEFT >= 0) & (2 * (first + BLOCK - 1) + 11 - LEFT <= 2 * t - 1)
+        if inside & INTERIOR:
+            _block(x_row, y_row, scratch, first, t, y_pad, up_ptr, down_ptr, alpha, inv_beta, LEFT, LOW, BLOCK,
+                   HALO, False)
+        else:
+            _block(x_row, y_row, scratch, first, t, y_pad, up_ptr, down_ptr, alpha, inv_beta, LEFT, LOW, BLOCK,
+                   HALO, True)
 
 
 def fused_activation(
@@ -160,7 +189,7 @@ def fused_activation(
         x, y, scratch, alpha.contiguous(), beta.contiguous(), up_taps.reshape(-1).contiguous(),
         down_taps.reshape(-1).contiguous(), t, c, x.stride(0), x.stride(1), left_pad,
         LEFT=left, LOW=(12 - left) // 2 - 6, LOGSCALE=bool(logscale), EPS=SNAKE_EPS, BLOCK=BLOCK, HALO=HALO,
-        PAD_BLOCK=PAD_BLOCK,
+        PAD_BLOCK=PAD_BLOCK, INTERIOR=INTERIOR_PATH,
     )
     return y
 
