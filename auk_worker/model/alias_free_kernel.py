@@ -8,10 +8,13 @@ that write and re-read the 2x-rate signal, at about a sixth of the H200's memory
     s(m) = u + sin^2(alpha * u) / (beta + eps),  u = up(m)               the snake at oversampled sample m
     up(2j + p) = 2 * sum_r up_taps[2r + 1 - p] * x[clamp(j + 2 + p - r, 0, t - 1)]     r = 0 ... 5 (phase p)
 
-The clamps are the two replicate paddings. A block of outputs i0 ... i0 + BLOCK - 1 reads the oversampled samples
-of BLOCK + 6 input positions j (both phases). The program computes each of them once, from shifted loads of ``x``,
-parks them in a scratch row of its own (global memory, so it stays in the L1/L2 caches), and after a barrier reads
-the twelve shifted windows the decimator's taps need: two sines per output. (The first form of this kernel
+The clamps are the two replicate paddings. A block of ``OUT = BLOCK - HALO`` outputs i0 ... i0 + OUT - 1 reads the
+oversampled samples of OUT + 5 input positions j (both phases). The program computes the BLOCK positions from its
+first once each, from shifted loads of ``x``, parks them in a scratch row of its own (global memory, so it stays in
+the L1/L2 caches), and after a barrier reads the twelve shifted windows the decimator's taps need: about two sines
+per output. (Blocks of BLOCK outputs with a separate HALO-wide tensor for the extra positions cost more: a tensor
+narrower than the program's threads is computed by all of them, so the 8 extra positions took a third of the
+upsampler's instructions.) (The first form of this kernel
 recomputed each oversampled sample for the six outputs that read it, about 12 sines per output.) Where the
 decimator's window runs off an end, the clamp gives the first or last oversampled sample, two scalars per row.
 
@@ -41,10 +44,11 @@ try:
 except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
-BLOCK = 256  # outputs per program
+BLOCK = 256  # oversampled input positions per program (per phase), the width of its tensors
+HALO = 8  # of which past the block's outputs: its decimator windows reach 6 input positions further
+OUT = BLOCK - HALO  # outputs per program
 # Blocks inside a row skip the edge handling (see above); False sends every block through it, for the tests.
 INTERIOR_PATH = True
-HALO = 8  # scratch slots past a block's own: its decimator windows reach 6 input positions further
 PAD_BLOCK = 64  # the most zeros written before a row's outputs (the release decoder's widest causal conv: 50)
 
 
@@ -89,9 +93,11 @@ if triton is not None:
         x_row, y_row, scratch, first, t, y_pad, up_ptr, down_ptr, alpha, inv_beta,
         LEFT: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr, HALO: tl.constexpr, EDGES: tl.constexpr,
     ):
-        """The block of outputs from ``first``; EDGES: its reads may reach past the row's ends (clamps and the
-        decimator's edge scalars), else they all fall inside it."""
-        i = first + tl.arange(0, BLOCK)  # output samples
+        """The block of BLOCK - HALO outputs from ``first``; EDGES: its reads may reach past the row's ends (clamps
+        and the decimator's edge scalars), else they all fall inside it."""
+        body = tl.arange(0, BLOCK)
+        i = first + body  # output samples; the last HALO lanes are not the block's
+        ours = body < BLOCK - HALO
         last = t - 1
         if EDGES:
             # What the decimator's replicate padding repeats past the ends: the oversampled signal's first sample
@@ -100,26 +106,23 @@ if triton is not None:
             s_last = tl.sum(_oversampled(x_row, tl.full((1,), 0, tl.int32) + last, last, up_ptr, alpha, inv_beta, 1))
 
         # Tap k reads oversampled sample m = 2i + k - LEFT = 2(i + d) + p, with phase p = (k + LEFT) % 2 and
-        # d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), so d runs over LOW ... LOW + 5: the block reads input
-        # positions j = first + LOW ... first + BLOCK - 1 + LOW + 5, held as BLOCK + HALO scratch slots per phase.
-        body = tl.arange(0, BLOCK)
-        halo = BLOCK + tl.arange(0, HALO)
+        # d = (k + 12 - LEFT) // 2 - 6 (LEFT is odd), so d runs over LOW ... LOW + 5: the block's outputs read
+        # input positions j = first + LOW ... first + BLOCK - HALO - 1 + LOW + 5, within its BLOCK scratch slots.
         for p in tl.static_range(2):
-            slots = scratch + p * (BLOCK + HALO)
-            tl.store(slots + body, _oversampled(x_row, first + LOW + body, last, up_ptr, alpha, inv_beta, p, EDGES))
-            tl.store(slots + halo, _oversampled(x_row, first + LOW + halo, last, up_ptr, alpha, inv_beta, p, EDGES))
+            oversampled = _oversampled(x_row, first + LOW + body, last, up_ptr, alpha, inv_beta, p, EDGES)
+            tl.store(scratch + p * BLOCK + body, oversampled)
         tl.debug_barrier()  # every thread's slots are written before any thread reads its neighbours'
 
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for k in tl.static_range(12):
             p = (k + LEFT) % 2
             d = (k + 12 - LEFT) // 2 - 6
-            s = tl.load(scratch + p * (BLOCK + HALO) + (d - LOW) + body)
+            s = tl.load(scratch + p * BLOCK + (d - LOW) + body, mask=ours)
             if EDGES:
                 m = 2 * i + (k - LEFT)
                 s = tl.where(m < 0, s_first, tl.where(m > 2 * last + 1, s_last, s))
             acc += tl.load(down_ptr + k).to(tl.float32) * s
-        tl.store(y_row + y_pad + i, acc.to(y_row.dtype.element_ty), mask=i < t)
+        tl.store(y_row + y_pad + i, acc.to(y_row.dtype.element_ty), mask=ours & (i < t))
 
     @triton.jit
     def _alias_free_kernel(
@@ -130,7 +133,7 @@ if triton is not None:
     ):
         row = tl.program_id(1)  # b * channels + c
         channel = row % channels
-        first = tl.program_id(0) * BLOCK  # this block's first output sample
+        first = tl.program_id(0) * (BLOCK - HALO)  # this block's first output sample
         x_row = x_ptr + (row // channels).to(tl.int64) * x_batch_stride + channel.to(tl.int64) * x_channel_stride
         y_row = y_ptr + row.to(tl.int64) * (y_pad + t)  # y_pad zeros, then the t outputs
         if tl.program_id(0) == 0:
@@ -142,11 +145,11 @@ if triton is not None:
             alpha = tl.exp(alpha)
             beta = tl.exp(beta)
         inv_beta = 1.0 / (beta + EPS)
-        scratch = scratch_ptr + (row.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (2 * (BLOCK + HALO))
-        # Inside the row: the upsampler's reads, x[first + LOW - 3 ... first + LOW + BLOCK + HALO + 2], and the
-        # decimator's, m = 2 * first - LEFT ... 2 * (first + BLOCK - 1) + 11 - LEFT.
-        inside = (first + LOW - 3 >= 0) & (first + LOW + BLOCK + HALO + 2 <= t - 1)
-        inside = inside & (2 * first - LEFT >= 0) & (2 * (first + BLOCK - 1) + 11 - LEFT <= 2 * t - 1)
+        scratch = scratch_ptr + (row.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)) * (2 * BLOCK)
+        # Inside the row: the upsampler's reads, x[first + LOW - 3 ... first + LOW + BLOCK + 2], and the
+        # decimator's, m = 2 * first - LEFT ... 2 * (first + BLOCK - HALO - 1) + 11 - LEFT.
+        inside = (first + LOW - 3 >= 0) & (first + LOW + BLOCK + 2 <= t - 1)
+        inside = inside & (2 * first - LEFT >= 0) & (2 * (first + BLOCK - HALO - 1) + 11 - LEFT <= 2 * t - 1)
         if inside & INTERIOR:
             _block(x_row, y_row, scratch, first, t, y_pad, up_ptr, down_ptr, alpha, inv_beta, LEFT, LOW, BLOCK,
                    HALO, False)
@@ -183,8 +186,8 @@ def fused_activation(
     y = x.new_empty((b, c, left_pad + t))
     if y.numel() == 0 or t == 0:
         return y.zero_()
-    grid = (triton.cdiv(t, BLOCK), b * c)
-    scratch = torch.empty(grid[0] * grid[1] * 2 * (BLOCK + HALO), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(t, OUT), b * c)
+    scratch = torch.empty(grid[0] * grid[1] * 2 * BLOCK, device=x.device, dtype=torch.float32)
     _alias_free_kernel[grid](
         x, y, scratch, alpha.contiguous(), beta.contiguous(), up_taps.reshape(-1).contiguous(),
         down_taps.reshape(-1).contiguous(), t, c, x.stride(0), x.stride(1), left_pad,
