@@ -12,11 +12,13 @@ The clamps are the two replicate paddings. A block of ``OUT = BLOCK - HALO`` out
 oversampled samples of OUT + 5 input positions j (both phases). The program computes the BLOCK positions from its
 first once each, from shifted loads of ``x``, parks them in a scratch row of its own (global memory, so it stays in
 the L1/L2 caches), and after a barrier reads the twelve shifted windows the decimator's taps need: about two sines
-per output. (Blocks of BLOCK outputs with a separate HALO-wide tensor for the extra positions cost more: a tensor
-narrower than the program's threads is computed by all of them, so the 8 extra positions took a third of the
-upsampler's instructions.) (The first form of this kernel
-recomputed each oversampled sample for the six outputs that read it, about 12 sines per output.) Where the
-decimator's window runs off an end, the clamp gives the first or last oversampled sample, two scalars per row.
+per output. Where the decimator's window runs off an end, the clamp gives the first or last oversampled sample,
+two scalars per row.
+
+Earlier forms cost more. The first recomputed each oversampled sample for the six outputs that read it, about 12
+sines per output. The next kept BLOCK outputs and computed the extra positions as a tensor of HALO of their own;
+a tensor narrower than the program's threads is computed by every thread, so those 8 positions cost half as many
+instructions as the block's 256 (the kernel is bound by instructions, not memory: README, Speed on an H200).
 
 The clamps and the edge scalars matter only where a block's reads reach past a row's ends: a block whose reads
 all fall inside its row (every block but a row's first and last one or two) runs without them, a constexpr copy
@@ -45,7 +47,7 @@ except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
 BLOCK = 256  # oversampled input positions per program (per phase), the width of its tensors
-HALO = 8  # of which past the block's outputs: its decimator windows reach 6 input positions further
+HALO = 8  # of which past the block's outputs: its last outputs' decimator windows reach 5 positions further
 OUT = BLOCK - HALO  # outputs per program
 # Blocks inside a row skip the edge handling (see above); False sends every block through it, for the tests.
 INTERIOR_PATH = True
