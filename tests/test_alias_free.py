@@ -213,7 +213,6 @@ def check_fused_kernel() -> None:
     alignments, log-scale and plain parameters; rows long enough for blocks inside them (813: the second and
     third of four blocks), which skip the edge handling and give the same bits as with it. Run in a process with
     TRITON_INTERPRET=1 (see below)."""
-    from auk_worker.model import alias_free_kernel
     from auk_worker.model.alias_free_kernel import fused_activation
 
     for causal in (True, False):
@@ -223,20 +222,11 @@ def check_fused_kernel() -> None:
             for t in (1, 2, 3, 7, 13, 300, 257 + 256, 3 * 256 + 45):
                 x = torch.randn(2, 3, t, generator=torch.Generator().manual_seed(t))
                 reference = act(x)
-
-                def fused(interior: bool, x=x, act=act, lowpass=lowpass, logscale=logscale) -> torch.Tensor:
-                    alias_free_kernel.INTERIOR_PATH = interior
-                    try:
-                        return fused_activation(
-                            x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, logscale, lowpass.pad
-                        )
-                    finally:
-                        alias_free_kernel.INTERIOR_PATH = True
-
-                out = fused(True)
+                args = (x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, logscale, lowpass.pad)
+                out = fused_activation(*args)
                 assert out.shape == reference.shape
                 assert relative(out, reference) < 1e-6, (causal, logscale, t, relative(out, reference))
-                assert torch.equal(out, fused(False)), (causal, logscale, t)
+                assert torch.equal(out, fused_activation(*args, interior=False)), (causal, logscale, t)
     # A slice along time (the causal upsampler's trimmed output) read in place, and the zeros a causal conv reads
     # written in front of the output.
     act = activation(True, True, channels=3, seed=5)

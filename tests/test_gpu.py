@@ -394,7 +394,6 @@ def test_causal_conv_kernel_matches_conv1d():
 def test_fused_activation_kernel_matches_the_convolutions():
     """The Triton kernel against the convolution path in fp32, at release widths and lengths and at the edges; the
     blocks inside a row, which skip the edge handling, give the same bits as with it."""
-    from auk_worker.model import alias_free_kernel
     from auk_worker.model.alias_free import AliasFreeActivation
     from auk_worker.model.alias_free_kernel import fused_activation
 
@@ -415,13 +414,9 @@ def test_fused_activation_kernel_matches_the_convolutions():
             fast = fused_activation(x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, logscale,
                                     lowpass.pad)
         compare(f"activation kernel, {channels} x {length}, causal {causal}", fast, reference, 1e-5)
-        alias_free_kernel.INTERIOR_PATH = False
-        try:
-            with torch.inference_mode():
-                with_edges = fused_activation(x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter,
-                                              logscale, lowpass.pad)
-        finally:
-            alias_free_kernel.INTERIOR_PATH = True
+        with torch.inference_mode():
+            with_edges = fused_activation(x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter,
+                                          logscale, lowpass.pad, interior=False)
         assert torch.equal(fast, with_edges), (channels, length)
 
 

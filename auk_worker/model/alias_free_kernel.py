@@ -49,8 +49,6 @@ except ImportError:  # the CPU-only install: callers check ``available``
 BLOCK = 256  # oversampled input positions per program (per phase), the width of its tensors
 HALO = 8  # of which past the block's outputs: its last outputs' decimator windows reach 5 positions further
 OUT = BLOCK - HALO  # outputs per program
-# Blocks inside a row skip the edge handling (see above); False sends every block through it, for the tests.
-INTERIOR_PATH = True
 PAD_BLOCK = 64  # the most zeros written before a row's outputs (the release decoder's widest causal conv: 50)
 
 
@@ -169,11 +167,14 @@ def fused_activation(
     logscale: bool,
     down_pad: tuple[int, int],
     left_pad: int = 0,
+    *,
+    interior: bool = True,
 ) -> torch.Tensor:  # [b, c, t] -> [b, c, left_pad + t]
     """``alias_free.polyphase_activation`` as one kernel launch (same signature, a ``PolyphaseFn``).
 
     ``x`` may be a slice along time (the causal upsampler's trimmed output): rows are read through its strides,
-    not copied. The ``left_pad`` zeros are written by the kernel too."""
+    not copied. The ``left_pad`` zeros are written by the kernel too. ``interior`` False sends every block through
+    the edge handling, which blocks inside a row skip (the tests compare the two)."""
     if triton is None:
         raise RuntimeError("the fused alias-free kernel needs Triton")
     if RATIO != 2 or TAPS != 12 or sum(down_pad) != TAPS - 1 or down_pad[0] % 2 == 0:
@@ -194,7 +195,7 @@ def fused_activation(
         x, y, scratch, alpha.contiguous(), beta.contiguous(), up_taps.reshape(-1).contiguous(),
         down_taps.reshape(-1).contiguous(), t, c, x.stride(0), x.stride(1), left_pad,
         LEFT=left, LOW=(12 - left) // 2 - 6, LOGSCALE=bool(logscale), EPS=SNAKE_EPS, BLOCK=BLOCK, HALO=HALO,
-        PAD_BLOCK=PAD_BLOCK, INTERIOR=INTERIOR_PATH,
+        PAD_BLOCK=PAD_BLOCK, INTERIOR=interior,
     )
     return y
 
