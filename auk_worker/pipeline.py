@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, StepGraphs
+from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, StepGraphs, cublas_without_workspace
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
@@ -156,6 +156,7 @@ class AuKPipeline:
         self.decode_graphs: DecodeGraphs | None = None
         self.encode_graphs: EncodeGraphs | None = None
         if device.type == "cuda" and not deploy.dit.enforce_eager:
+            log.info("cuBLAS: %s", cublas_without_workspace())
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             if vae_fast_paths:
                 # Each anti-aliased activation runs as one fused kernel, and the reference encode replays a graph

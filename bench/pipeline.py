@@ -95,6 +95,47 @@ def measure(pipe, request: RenderRequest, runs: int, warmup: int) -> dict:
     }
 
 
+def gpu_timeline(pipe, request: RenderRequest, rows: int = 12) -> dict:
+    """One render under the profiler: the span of its GPU work, how much of it some stream was busy, the longest
+    idle gaps (with the kernels either side, to place them), and the busy time by kind of kernel
+    (``bench.kernels.KINDS``; concurrent streams make these add up to more than the busy time)."""
+    from bench.kernels import kind
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        pipe.render(request)
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return {}
+    busy, gaps, (start, end, last) = 0.0, [], spans[0]
+    for s, e, name in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, last, name))
+            start = s
+        if e > end:
+            end, last = e, name
+    busy += end - start
+    by_kind: dict[str, float] = {}
+    for s, e, name in spans:
+        by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + (e - s) / 1e3
+    gaps.sort(reverse=True)
+    span_ms = (end - spans[0][0]) / 1e3
+    return {
+        "span_ms": span_ms,
+        "busy_ms": busy / 1e3,
+        "idle_ms": span_ms - busy / 1e3,
+        "kernels": len(spans),
+        "kernel_ms_by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+        "longest_gaps": [{"us": round(gap, 1), "after": a[:80], "before": b[:80]} for gap, a, b in gaps[:rows]],
+    }
+
+
 def throughput(pipe, jobs: int, seconds: float, batch: int, budget: int) -> dict:
     """Pipeline-level bulk throughput: ``jobs`` base instruct jobs (the service benchmark's prompt), one
     ``render_batch`` call per group of ``batch`` as the worker makes them; audio seconds rendered per wall second
@@ -211,6 +252,9 @@ def run(args: argparse.Namespace) -> dict:
             target_s = TARGETS_S[name].get(target)
             if target_s is not None and not args.tiny:
                 row["target_s"], row["vllm_omni_s"] = target_s, VLLM_OMNI_S[name][target]
+            if args.profile and pipe.device.type == "cuda":
+                row["gpu_timeline"] = gpu_timeline(pipe, request)
+                print(f"   one render's GPU work: {json.dumps(row['gpu_timeline'])}", flush=True)
             table.setdefault(name, {})[f"{target}s"] = row
             print(f"{name:16s} {target:>3}s  {row['wall_s'] * 1000:8.1f} ms  " + "  ".join(
                 f"{k} {v:.1f}" for k, v in row["stages_ms"].items()) + (
@@ -254,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure bulk throughput over JOBS 6 s instruct jobs instead of latency")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8], help="jobs per DiT pass (throughput)")
     parser.add_argument("--budget", type=int, default=8192, help="rows x positions per DiT pass (throughput)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more render of each case: GPU span, busy and idle time, longest gaps")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
     if args.runs is None:

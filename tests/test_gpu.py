@@ -99,6 +99,24 @@ def test_a_render_waits_for_the_gpu_only_to_copy_its_waveform_out(pipe):
         assert syncs and all(site.endswith(f"pipeline.py:{copy_line}") for site in syncs)
 
 
+def test_step_graphs_replay_kernels_only(pipe):
+    """No memset nodes in the step graphs: at the 12 s zero-shot shape of ``bench.pipeline`` (2,148 rows in each
+    single block) cuBLAS with a workspace runs the feed-forward's input product as a persistent kernel that needs
+    a zeroed counter, a memset before each of them with idle GPU around it. The pipeline asks for cuBLAS without a
+    workspace (``accel.CUBLAS_WITHOUT_WORKSPACE``)."""
+    from bench.pipeline import ZERO_SHOT
+
+    pipe.render(RenderRequest(ZERO_SHOT, audio=clip(5.0), gen_seconds=12.0, seed=15))  # its step graph captured
+    for step_graph in pipe.step_graphs.graphs.values():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step_graph.graph.replay()  # the next render copies its own state in first
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        memsets = [name for name in names if "memset" in name.lower()]
+        print(f"step graph: {len(names)} GPU operations, {len(memsets)} memsets")
+        assert len(names) > 100 and not memsets
+
+
 def test_progress_reports_steps_as_the_gpu_finishes_them(pipe):
     """The step callback (the job's progress and its cancel check) runs as steps finish, not as graph replays are
     queued: its calls spread over the DiT's time, and a cancel stops the render within a step or two."""
