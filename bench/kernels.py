@@ -39,8 +39,9 @@ from bench.models import RELEASE_ARCH, release_thinker_config
 # everything else (ATen's own kernels, copies, memsets).
 KINDS = (
     ("inductor", ("triton_",)),
-    ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel")),
-    ("attention", ("sdpa", "flash", "fmha")),
+    ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel",
+                      "_position_conv_kernel", "_causal_conv_kernel")),
+    ("attention", ("sdpa", "flash", "fmha", "_varlen_attention_kernel")),
     ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -652,6 +653,18 @@ def test_the_step_graphs_modulation_table_serves_each_step_its_row_window_by_win
         cached = table.cache[tuple(grid[6:7].tolist())]
         table.fill(grid[6:7])
         assert table.cache[tuple(grid[6:7].tolist())] is cached
+
+
+def test_cublas_runs_without_a_workspace_unless_the_environment_sets_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from auk_worker.accel import CUBLAS_WITHOUT_WORKSPACE, cublas_without_workspace
+
+    for name in CUBLAS_WITHOUT_WORKSPACE:  # unset here, and as the session had it afterwards (set or not)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert cublas_without_workspace() == {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # an operator's own choice stays
+    assert cublas_without_workspace()["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
 def test_a_step_graph_is_keyed_by_the_contexts_kernel_switches_as_well_as_its_shapes(model: AuKDiT) -> None:
