@@ -123,7 +123,8 @@ def gpu_timeline(pipe, request: RenderRequest, rows: int = 12) -> dict:
     busy += end - start
     by_kind: dict[str, float] = {}
     for s, e, name in spans:
-        by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + (e - s) / 1e3
+        label = kind(name)
+        by_kind[label] = by_kind.get(label, 0.0) + (e - s) / 1e3
     gaps.sort(reverse=True)
     span_ms = (end - spans[0][0]) / 1e3
     return {
