@@ -17,6 +17,7 @@ Nothing here changes what is computed; it changes how the kernels are launched:
 - ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
   buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket. Each stage's
   three AMP blocks run side by side on CUDA streams.
+- ``LogMelGraphs`` replays the prompt processor's log-mel features of a reference clip per whole second of it.
 - ``EncodeGraphs`` replays the VAE encoder over reference clips zero-padded to whole seconds, exactly (the
   encoder cuts each conv output back to the clip's own length).
 
@@ -32,12 +33,13 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from auk_worker.cuda_graph import capture_graph
 from auk_worker.model.dit import PLAIN_PHASES, AuKDiT, DiTContext
-from auk_worker.model.encoder import ThinkerEncoder
+from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder
 from auk_worker.model.sampling import MAX_STEPS, cfg_combine
 from auk_worker.model.vae import AuKVAE
 
@@ -322,6 +324,48 @@ class EncodeGraphs:
             graph, static_stats = capture_graph(run, device, self.pool)  # [1, 2d, frames of the bucket]
             self.graphs[bucket] = (graph, static_wav, static_len, static_stats)
             log.info("vae encode graphs: captured %d samples (%d cached)", bucket, len(self.graphs))
+        return self.graphs[bucket]
+
+
+class LogMelGraphs:
+    """The prompt processor's log-mel features replayed from one CUDA graph per bucket of padded clip length.
+
+    A clip goes into a zero buffer of whole ``bucket_samples`` (at most the feature extractor's window) and the
+    graph runs ``PromptProcessor.log_mel`` over all of it; the processor keeps the clip's frames, which equal
+    those of its own shorter padding (see there). ``capture_up_to`` takes every bucket of the clips the service
+    accepts at start-up (31 of a second each for 30 s).
+    """
+
+    def __init__(self, processor: PromptProcessor, device: torch.device, bucket_samples: int) -> None:
+        self.processor = processor
+        self.device = device
+        self.bucket_samples = bucket_samples
+        self.max_samples = processor.feature_extractor.n_samples
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture_up_to(self, clip_samples: int) -> None:
+        """Every bucket a clip of up to ``clip_samples`` samples can need (the processor pads it by n_fft)."""
+        padded = clip_samples + self.processor.feature_extractor.n_fft
+        for bucket in range(self.bucket_samples, padded + self.bucket_samples, self.bucket_samples):
+            self._graph(self._bucket(bucket))
+
+    def log_mel(self, audio: np.ndarray, padded: int) -> Tensor:
+        """``log_mel`` of ``audio`` zero-padded to at least ``padded`` samples: [m, >= padded / hop] (a copy)."""
+        graph, static_wave, static_out = self._graph(self._bucket(padded))
+        static_wave.zero_()
+        static_wave[: audio.size].copy_(torch.from_numpy(audio), non_blocking=True)
+        graph.replay()
+        return static_out.clone()
+
+    def _bucket(self, samples: int) -> int:
+        return min(self.max_samples, -(-samples // self.bucket_samples) * self.bucket_samples)
+
+    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        if bucket not in self.graphs:
+            static_wave = torch.zeros(bucket, device=self.device)
+            graph, static_out = capture_graph(lambda: self.processor.log_mel(static_wave), self.device, self.pool)
+            self.graphs[bucket] = (graph, static_wave, static_out)
         return self.graphs[bucket]
 
 

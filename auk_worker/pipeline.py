@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, StepGraphs, cublas_without_workspace
+from auk_worker.accel import (
+    DecodeGraphs,
+    EncodeGraphs,
+    EncoderGraphs,
+    LogMelGraphs,
+    StepGraphs,
+    cublas_without_workspace,
+)
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
@@ -32,6 +40,7 @@ from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, Out
 from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.conv_kernel import use_fast_convs
+from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.fp8 import fp8_supported, use_fp8_block_linears
@@ -152,6 +161,8 @@ class AuKPipeline:
         self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
         # The reference clip's VAE encode runs on this stream, beside the thinker (None off CUDA).
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Resamples a reference clip for the thinker while the render's own thread prepares the VAE's copy.
+        self._resampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="auk-resample")
         self.step_graphs: StepGraphs | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.encode_graphs: EncodeGraphs | None = None
@@ -164,6 +175,7 @@ class AuKPipeline:
                 log.info("vae activations: %s", use_fast_activations(vae, device))
                 if precision != "exact":  # the kernel's products are TF32, as cuDNN's are unless told otherwise
                     log.info("vae: %d narrow convolutions on the Triton kernel", use_fast_convs(vae, device))
+                log.info("vae: %d upsamplers as a product and an overlap-add", use_fast_upsamplers(vae, device))
                 self.encode_graphs = EncodeGraphs(vae, SAMPLE_RATE)
             self.decode_graphs = DecodeGraphs(vae, model_config.auk_vae_max_graphs)
         encoder.max_rows = deploy.encoder.max_num_seqs  # prompts per thinker pass (render_batch)
@@ -175,7 +187,12 @@ class AuKPipeline:
             if compilation.cudagraph_mode != "NONE" and sizes:
                 encoder.graphs = EncoderGraphs(encoder, sizes)
                 # The audio tower replays one graph per chunk count of the reference clip (all captured at warm-up).
-                encoder.trunk.audio_runner = AudioTowerGraphs(AudioTowerRunner(encoder.trunk.audio_tower))
+                audio_runner = AudioTowerRunner(encoder.trunk.audio_tower)
+                if compilation.mode > 0:
+                    audio_runner.compile_layers()
+                    log.info("audio tower: encoder layer compiled (compilation_config.mode %d)", compilation.mode)
+                encoder.trunk.audio_runner = AudioTowerGraphs(audio_runner)
+                encoder.processor.log_mel_graphs = LogMelGraphs(encoder.processor, encoder.device, THINKER_SAMPLE_RATE)
 
     @property
     def variant(self) -> str:
@@ -244,16 +261,18 @@ class AuKPipeline:
 
     def warm_up(self) -> None:
         """On the graph path, capture the common shapes now rather than on the first jobs: the thinker's prompt
-        sizes and the audio tower's chunk counts, the deploy config's warm-up target lengths (text-only and with a
-        reference), every reference-clip bucket of the VAE encode and the VAE decode buckets."""
+        sizes, the log-mel buckets and the audio tower's chunk counts, the deploy config's warm-up target lengths
+        (text-only and with a reference), every reference-clip bucket of the VAE encode and the VAE decode buckets."""
         started = time.perf_counter()
         if self.encoder.graphs is not None:
             self.encoder.graphs.capture_all()
+        longest_clip = int(THINKER_SAMPLE_RATE * MAX_TOTAL_SECONDS)  # samples of a 30 s clip at 16 kHz
+        if self.encoder.processor.log_mel_graphs is not None:
+            self.encoder.processor.log_mel_graphs.capture_up_to(longest_clip)
         audio_graphs = self.encoder.trunk.audio_runner
         if isinstance(audio_graphs, AudioTowerGraphs):
             mel_hop = self.encoder.processor.feature_extractor.hop_length
-            longest_clip = int(THINKER_SAMPLE_RATE * MAX_TOTAL_SECONDS) // mel_hop  # mel frames of a 30 s clip
-            audio_graphs.capture_up_to(audio_graphs.runner.plan(longest_clip).chunks)
+            audio_graphs.capture_up_to(audio_graphs.runner.plan(longest_clip // mel_hop).chunks)
         if self.step_graphs is not None:
             model_config = self.deploy.dit.model_config
             clip = AudioClip(samples=np.zeros(3 * SAMPLE_RATE, dtype=np.float32), sample_rate=SAMPLE_RATE)
@@ -370,10 +389,15 @@ class AuKPipeline:
         if not request.instruction or not request.instruction.strip():
             raise InputError("instruction must be a non-empty string")
         schedule = self.schedule(request)
-        clip_24k = None
+        clip_24k = pending_16k = None
         if request.audio is not None:
             # The same rules as an uploaded file (length, finite samples), for clips handed over in memory.
             validate_clip(request.audio.samples, request.audio.sample_rate)
+            # The thinker hears the ORIGINAL clip at 16 kHz, not the 24 kHz copy the VAE encodes. soxr lets go of
+            # the GIL, so that copy is made on a host thread while this one makes the other and launches its encode.
+            pending_16k = self._resampler.submit(
+                resample, request.audio.samples, request.audio.sample_rate, THINKER_SAMPLE_RATE
+            )
             clip_24k = resample(request.audio.samples, request.audio.sample_rate, SAMPLE_RATE)
         frames = self.target_frames(request, 0 if clip_24k is None else len(clip_24k))
         timings: dict[str, list[_Span]] = {"vae_encode": []}
@@ -397,10 +421,7 @@ class AuKPipeline:
                 ref_valid = self.vae.valid_frames(len(clip_24k))
 
             started = self._mark()
-            audio_16k = None
-            if request.audio is not None:
-                # The thinker hears the ORIGINAL clip at 16 kHz, not the 24 kHz copy the VAE encodes.
-                audio_16k = resample(request.audio.samples, request.audio.sample_rate, THINKER_SAMPLE_RATE)
+            audio_16k = None if pending_16k is None else pending_16k.result()
             embeds = self.encoder.embed(request.instruction, audio_16k)  # [nt, dt]
             timings["encode"] = [_Span(started, self._mark())]
             noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))

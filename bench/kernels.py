@@ -24,6 +24,7 @@ from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, compile_
 from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.conv_kernel import use_fast_convs
+from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears
@@ -40,7 +41,7 @@ from bench.models import RELEASE_ARCH, release_thinker_config
 KINDS = (
     ("inductor", ("triton_",)),
     ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel",
-                      "_position_conv_kernel", "_causal_conv_kernel")),
+                      "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel")),
     ("attention", ("sdpa", "flash", "fmha", "_varlen_attention_kernel")),
     ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
 )
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: vae.decode(latents), args.rows)
             path = f"{use_fast_activations(vae, latents.device)} activations"
             path += f", {use_fast_convs(vae, latents.device)} narrow convolutions on their kernel"
+            path += f", {use_fast_upsamplers(vae, latents.device)} upsamplers on theirs"
             profile(f"VAE decode, {args.decode_frames} frames, {path} (the pipeline's)",
                     lambda: vae.decode(latents), args.rows)
             decode_graphs = DecodeGraphs(vae, max_graphs=1)

@@ -150,6 +150,21 @@ def test_features_equal_the_processor_full_window_padding(processor):
         torch.testing.assert_close(features, full["input_features"][:, :, :frames], rtol=0, atol=1e-6)
 
 
+def test_more_silence_past_the_clip_changes_no_frame(processor):
+    """What the log-mel graphs rely on: a clip in a longer zero buffer gives the same frames, and silence after."""
+    hop = processor.feature_extractor.hop_length
+    for samples in (5939, 16_000):
+        audio = clip(samples / 16000, seed=2)
+        features, _ = processor.audio_features(audio)
+        frames = features.shape[-1]
+        wave = torch.zeros(4 * 16_000)
+        wave[:samples] = torch.from_numpy(audio)
+        log_mel = processor.log_mel(wave)
+        assert log_mel.shape == (128, wave.numel() // hop)
+        torch.testing.assert_close(log_mel[None, :, :frames], features, rtol=0, atol=1e-6)
+        assert torch.all(log_mel[:, frames + 3 :] == log_mel[0, -1])  # past every window that touches the clip
+
+
 def test_matches_the_transformers_processor(processor, snapshot, monkeypatch):
     from transformers import AutoTokenizer, Qwen2_5OmniProcessor, WhisperFeatureExtractor
     from transformers.processing_utils import ProcessorMixin

@@ -336,34 +336,63 @@ def test_fp8_block_linears_at_release_size():
 
 
 def test_audio_tower_graphs_match_the_transformers_tower(pipe):
-    """The chunk-batched tower replayed from graphs against transformers' own forward, in bf16 at release size."""
+    """The chunk-batched tower replayed from graphs, its layers eager (the pipeline's at compilation mode 0) and
+    compiled (mode 1 and up), against transformers' own forward, in bf16 at release size."""
+    from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
+
     trunk = pipe.encoder.trunk
     graphs = trunk.audio_runner
     assert graphs is not None, "the CUDA path attaches the graphed audio tower"
+    compiled = AudioTowerRunner(trunk.audio_tower)
+    compiled.compile_layers()
     generator = torch.Generator("cuda").manual_seed(0)
     for frames in (150, 400, 577, 2990):  # part of a chunk, two whole chunks, a partial third, fifteen chunks
         features = torch.randn(1, 128, frames, device="cuda", generator=generator)
         mask = torch.ones(1, frames, dtype=torch.long, device="cuda")
         with torch.inference_mode():
             fast = trunk.embed_audio(features, mask)
-            trunk.audio_runner = None
+            trunk.audio_runner = AudioTowerGraphs(compiled)
             try:
+                fast_compiled = trunk.embed_audio(features, mask)
+                trunk.audio_runner = None
                 reference = trunk.embed_audio(features, mask)
             finally:
                 trunk.audio_runner = graphs
         compare(f"audio tower, {frames} mel frames, graphs vs transformers", fast, reference, 2e-2)
+        compare(f"audio tower, {frames} mel frames, compiled graphs vs transformers", fast_compiled, reference, 2e-2)
+
+
+def test_log_mel_graphs_match_the_eager_features(pipe):
+    """The reference clip's log-mel features replayed from a graph of whole seconds against the eager ones, from
+    a fraction of a second to the longest clip, which fills the last bucket but n_fft samples."""
+    processor = pipe.encoder.processor
+    graphs = processor.log_mel_graphs
+    assert graphs is not None and len(graphs.graphs) == 31, "captured at warm-up: a bucket per second to 31 s"
+    rng = np.random.default_rng(6)
+    for samples in (5939, 80_000, 480_000):
+        audio = (0.1 * rng.standard_normal(samples)).astype(np.float32)
+        fast, _ = processor.audio_features(audio, pipe.device)
+        processor.log_mel_graphs = None
+        try:
+            reference, _ = processor.audio_features(audio, pipe.device)
+        finally:
+            processor.log_mel_graphs = graphs
+        compare(f"log-mel, {samples} samples, graph vs eager", fast, reference, 1e-6)
 
 
 def test_compiled_decode_matches_the_convolution_path(pipe):
-    """The graph-replayed decoder with fused activation kernels and the narrow convolutions on their kernel against
-    the plain convolution decoder (cuDNN, TF32)."""
+    """The graph-replayed decoder with fused activation kernels, the narrow convolutions and the upsamplers on their
+    kernels against the plain convolution decoder (cuDNN, TF32)."""
     from auk_worker.model.alias_free import AliasFreeActivation
+    from auk_worker.model.vae import UpsampleConv
 
     activations = [m for m in pipe.vae.modules() if isinstance(m, AliasFreeActivation)]
     assert all(m.fused for m in activations)
     on_kernel = [m for m in pipe.vae.modules() if getattr(m, "fast_weight", None) is not None]
     assert len(on_kernel) == 54  # the AMP convolutions of the 96, 48 and 24 channel stages
     fast_weights = [conv.fast_weight for conv in on_kernel]
+    upsamplers = [m for m in pipe.vae.modules() if isinstance(m, UpsampleConv)]
+    assert len(upsamplers) == 6 and all(m.fast for m in upsamplers)
     generator = torch.Generator("cuda").manual_seed(1)
     for frames in (150, 320, 700):  # a bucket's graph, a whole bucket, tiles of the largest bucket
         latents = torch.randn(1, frames, 64, device="cuda", generator=generator)
@@ -371,6 +400,8 @@ def test_compiled_decode_matches_the_convolution_path(pipe):
             fast = pipe._decode(latents)
             for m in activations:
                 m.fused = False
+            for m in upsamplers:
+                m.fast = False
             for conv in on_kernel:  # set aside and put back the very tensors the captured graphs read
                 conv.fast_weight = None
             try:
@@ -378,6 +409,8 @@ def test_compiled_decode_matches_the_convolution_path(pipe):
             finally:
                 for m in activations:
                     m.fused = True
+                for m in upsamplers:
+                    m.fast = True
                 for conv, weight in zip(on_kernel, fast_weights):
                     conv.fast_weight = weight
         compare(f"decode, {frames} frames, fused graphs vs convolutions", fast, reference, 1e-2)
@@ -411,6 +444,35 @@ def test_causal_conv_kernel_matches_conv1d():
             what = f"causal conv kernel, {channels} x {length}, kernel {kernel}, dilation {dilation}"
             compare(f"{what}, cuDNN TF32 vs fp32 (for scale)", cudnn, exact, 2e-3)
             compare(f"{what}, vs fp32", fast, exact, 2e-3)
+
+
+def test_upsample_kernel_matches_conv_transpose1d():
+    """The upsamplers' product and overlap-add against torch's transposed convolution in true fp32 and in TF32, at
+    the release widths and the lengths of a 12 s decode; in fp32 (TF32 off for both) they agree to rounding."""
+    import torch.nn.functional as F
+
+    from auk_worker.model.upsample_kernel import causal_upsample
+
+    generator = torch.Generator("cuda").manual_seed(5)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
+    tf32 = torch.backends.cudnn.allow_tf32
+    for cin, stride, length in ((1536, 5, 600), (768, 4, 3000), (192, 2, 36_000), (48, 2, 144_000), (384, 3, 1)):
+        weight = randn(cin, cin // 2, 2 * stride) / (cin * 2) ** 0.5
+        bias = randn(cin // 2)
+        x = randn(1, cin, length)
+        with torch.inference_mode():
+            try:
+                torch.backends.cudnn.allow_tf32 = False
+                exact = F.conv_transpose1d(x, weight, bias, stride=stride)[..., : length * stride]
+                fast_fp32 = causal_upsample(x, weight, bias, stride)
+                torch.backends.cudnn.allow_tf32 = True
+                fast = causal_upsample(x, weight, bias, stride)
+            finally:
+                torch.backends.cudnn.allow_tf32 = tf32
+        what = f"upsample kernel, {cin} x {length}, stride {stride}"
+        compare(f"{what}, vs fp32 (TF32 off)", fast_fp32, exact, 1e-5)
+        compare(f"{what}, TF32 vs fp32", fast, exact, 2e-3)
+    assert not torch.backends.cuda.matmul.allow_tf32, "the product leaves torch's matmul setting as it found it"
 
 
 def test_fused_activation_kernel_matches_the_convolutions():

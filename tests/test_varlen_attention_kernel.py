@@ -115,9 +115,41 @@ def check_kernel() -> None:
                 assert error <= (5 * tolerance if rising and dtype == torch.float32 else tolerance), (*what, error)
 
 
+def check_split_output() -> None:
+    """With ``split`` the kernel writes the same values, every row's first ``split`` positions first and then every
+    row's rest: a joint attention's audio and text parts, each contiguous. Splits inside the first query block,
+    on a block's edge and inside the last; a row with no visible key. Bad splits are refused."""
+    from auk_worker.model.varlen_attention_kernel import varlen_attention
+
+    multiply_bf16_tiles_by_value()
+    launch = (16, 32, 4, 1)
+    rows, m = 3, 37
+    starts, count = uniform(rows, m, (37, 20, 0))
+    q, k, v = packed(rows, m, 32, torch.bfloat16, seed=5, strided=True)
+    whole = varlen_attention(q, k, v, starts, count, m, launch=launch)
+    by_row = whole.view(rows, m, *whole.shape[1:])
+    for split in (5, 16, 30):
+        out = varlen_attention(q, k, v, starts, count, m, split=split, launch=launch)
+        assert out.shape == whole.shape and out.is_contiguous()
+        first, rest = out[: rows * split].view(rows, split, *out.shape[1:]), out[rows * split :]
+        assert torch.equal(first, by_row[:, :split]), split
+        assert torch.equal(rest.view(rows, m - split, *out.shape[1:]), by_row[:, split:]), split
+    for split in (0, m):
+        try:
+            varlen_attention(q, k, v, starts, count, m, split=split, launch=launch)
+        except ValueError:
+            continue
+        raise AssertionError(f"split {split} was accepted")
+
+
 @needs_triton
 def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
     run_in_interpreter("tests.test_varlen_attention_kernel", "check_kernel")
+
+
+@needs_triton
+def test_split_output_holds_each_part_contiguous_in_the_triton_interpreter() -> None:
+    run_in_interpreter("tests.test_varlen_attention_kernel", "check_split_output")
 
 
 @needs_triton

@@ -61,21 +61,38 @@ class ChunkPlan:
         return cls(frames, w, chunks, frames - (chunks - 1) * w, audio_token_count(frames))
 
 
-def _encoder_layer(layer: nn.Module, x: Tensor, key_mask: Tensor, heads: int) -> Tensor:
-    """One pre-norm encoder layer over whole chunks: [c, t, d] -> [c, t, d]."""
+def _encoder_layer(layer: nn.Module, qkv: nn.Linear, x: Tensor, key_bias: Tensor, heads: int) -> Tensor:
+    """One pre-norm encoder layer over whole chunks: [c, t, d] -> [c, t, d]. ``qkv`` is the layer's three
+    projections as one (``_fused_qkv``); ``key_bias`` [c, 1, 1, t] is 0 for a chunk's valid keys, -inf past them."""
     attn = layer.self_attn
     c, t, d = x.shape
-    normed = layer.self_attn_layer_norm(x)
-    q, k, v = (  # each [c, h, t, dh]
-        proj(normed).view(c, t, heads, d // heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
-    )
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=(d // heads) ** -0.5)  # [c, h, t, dh]
+    q, k, v = qkv(layer.self_attn_layer_norm(x)).view(c, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # [c, h, t, dh]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias, scale=(d // heads) ** -0.5)  # [c, h, t, dh]
     x = x + attn.out_proj(o.transpose(1, 2).reshape(c, t, d))
     x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
     if x.dtype == torch.float16:
         limit = torch.finfo(torch.float16).max - 1000
         x = x.clamp(-limit, limit)
     return x
+
+
+def _fused_qkv(attn: nn.Module) -> nn.Linear:
+    """The q, k and v projections as one [3d, d] product (k's missing bias as zeros). The three modules' weights
+    become views of the fused ones, so the tower holds each weight once and its state dict is unchanged; build
+    the runner after the weights are final (a later ``.to`` would copy them apart)."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weight = torch.cat([proj.weight.detach() for proj in projections])  # [3d, d]
+    bias = torch.cat([
+        torch.zeros_like(proj.weight[:, 0]) if proj.bias is None else proj.bias.detach() for proj in projections
+    ])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
+    fused.weight, fused.bias = nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
+    d = weight.shape[0] // 3
+    for i, proj in enumerate(projections):
+        proj.weight = nn.Parameter(weight[i * d : (i + 1) * d], requires_grad=False)
+        if proj.bias is not None:
+            proj.bias = nn.Parameter(bias[i * d : (i + 1) * d], requires_grad=False)
+    return fused
 
 
 class AudioTowerRunner:
@@ -88,6 +105,13 @@ class AudioTowerRunner:
         self.n_window = tower.config.n_window
         self.heads = tower.config.encoder_attention_heads
         self.num_mel_bins = tower.config.num_mel_bins
+        self.qkv = [_fused_qkv(layer.self_attn) for layer in tower.layers]
+        self.layer = _encoder_layer  # compile_layers() swaps in its compiled form
+
+    def compile_layers(self) -> None:
+        """``torch.compile`` the encoder layer: one compilation serves every layer and chunk count (one more for a
+        single chunk); its norms, residual adds and activations run as fused kernels."""
+        self.layer = torch.compile(_encoder_layer, fullgraph=True, dynamic=True)
 
     @property
     def device(self) -> torch.device:
@@ -130,9 +154,12 @@ class AudioTowerRunner:
 
         chunk_tokens = (chunk_frames - 1) // 2 + 1  # [c], conv2's output length
         key_valid = torch.arange(t, device=features.device) < chunk_tokens[:, None]  # [c, t]
-        key_mask = key_valid[:, None, None, :]  # [c, 1, 1, t]
-        for layer in tower.layers:
-            x = _encoder_layer(layer, x, key_mask, self.heads)
+        # Additive, built once: a boolean mask would be turned into this in every layer's attention call.
+        key_bias = torch.zeros(c, 1, 1, t, dtype=x.dtype, device=x.device).masked_fill(
+            ~key_valid[:, None, None, :], float("-inf")
+        )
+        for layer, qkv in zip(tower.layers, self.qkv):
+            x = self.layer(layer, qkv, x, key_bias, self.heads)
 
         p = c * t // 2
         pairs = x.reshape(c * t, d)[: 2 * p].view(p, 2, d)  # consecutive tokens of the clip, chunk after chunk

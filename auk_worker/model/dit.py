@@ -405,22 +405,33 @@ class FeedForward(nn.Module):
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_keys: VisibleKeys | None,
-    keys_in_order: bool = False,
-) -> Tensor:
+    keys_in_order: bool = False, split: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of q, k, v [bc, m, h, dh] over the keys ``key_mask`` [bc, 1, 1, m] lets through (None = all);
     returns [bc, m, h*dh]. With ``visible_keys`` (the same mask, reordered) the variable-length kernel runs
     instead of a masked one: the same sum over the same keys, on the [bc * m, h, dh] layout the projections
-    already have (no transposes). ``keys_in_order``: k and v already come in ``visible_keys``' order."""
+    already have (no transposes). ``keys_in_order``: k and v already come in ``visible_keys``' order.
+
+    With ``split`` it returns the first ``split`` positions and the rest as two parts, [bc, split, h*dh] and
+    [bc, m - split, h*dh]; the hand-written kernel writes each part contiguous, so that each goes into its own
+    output projection as one plain matrix (a strided part costs the audio stream's projection a slower product
+    and a separate bias add: README, Speed on an H200)."""
+    bc, m, h, dh = q.shape
     if visible_keys is None:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, h, m, dh] views
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
-    bc, m, h, dh = q.shape
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
+        return out if split is None else (out[:, :split], out[:, split:])
     if not keys_in_order:
         order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
         k, v = k.gather(1, order), v.gather(1, order)
-    kernel = varlen_attention_kernel.varlen_attention if visible_keys.kernel else varlen_attention
-    out = kernel(*(t.reshape(bc * m, h, dh) for t in (q, k, v)), visible_keys.starts, visible_keys.count, m)
-    return out.reshape(bc, m, h * dh)
+    q, k, v = (t.reshape(bc * m, h, dh) for t in (q, k, v))
+    if visible_keys.kernel:
+        out = varlen_attention_kernel.varlen_attention(q, k, v, visible_keys.starts, visible_keys.count, m, split=split)
+        if split is not None:
+            return out[: bc * split].view(bc, split, h * dh), out[bc * split :].view(bc, m - split, h * dh)
+        return out.view(bc, m, h * dh)
+    out = varlen_attention(q, k, v, visible_keys.starts, visible_keys.count, m).reshape(bc, m, h * dh)
+    return out if split is None else (out[:, :split], out[:, split:])
 
 
 def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int) -> Tensor:
@@ -469,16 +480,18 @@ class Attention(nn.Module):
         streams: list[tuple[Tensor, nn.RMSNorm, nn.RMSNorm, Rope]],
         key_mask: Tensor | None,
         visible_keys: VisibleKeys | None,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Attention over the (qkv, q_norm, k_norm, rope) streams joined along the sequence, their q, k, v made by
-        the attention-inputs kernel (k and v straight into ``visible_keys``' order): [bc, sum m, h*dh]."""
+        the attention-inputs kernel (k and v straight into ``visible_keys``' order): [bc, sum m, h*dh], or with
+        two streams the output of each ([bc, m_i, h*dh], see ``attend``'s ``split``)."""
         eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(torch.float32).eps  # torch's default
         slot = None if visible_keys is None else visible_keys.slot
         q, k, v = attention_inputs(
             [(qkv, q_norm.weight, k_norm.weight, rope.cos, rope.sin) for qkv, q_norm, k_norm, rope in streams],
             self.heads, eps, slot,
         )
-        return attend(q, k, v, key_mask, visible_keys, keys_in_order=True)
+        split = streams[0][0].shape[1] if len(streams) == 2 else None
+        return attend(q, k, v, key_mask, visible_keys, keys_in_order=True, split=split)
 
     def attend_qkv(self, qkv: Tensor, layout: SingleLayout) -> Tensor:
         """The attention from the qkv projection [bc, m, 3*h*dh] to the output projection's input [bc, m, h*dh]."""
@@ -499,10 +512,10 @@ class JointAttention(Attention):
         self.c_k_norm = nn.RMSNorm(dim_head, elementwise_affine=True)
         self.to_out_c = nn.Linear(heads * dim_head, dim)
 
-    def attend_streams(self, qkv: Tensor, qkv_c: Tensor, layout: JointLayout) -> Tensor:
+    def attend_streams(self, qkv: Tensor, qkv_c: Tensor, layout: JointLayout) -> tuple[Tensor, Tensor]:
         """The joint attention from the two streams' qkv projections ([bc, na, 3*h*dh], [bc, nt, 3*h*dh]) to the
-        output projections' input [bc, na + nt, h*dh], audio positions first. Padded rows are zeroed by the block
-        (layout.audio_keep, text_keep)."""
+        output projections' inputs, audio [bc, na, h*dh] and text [bc, nt, h*dh], over the joint sequence (audio
+        positions first). Padded rows are zeroed by the block (layout.audio_keep, text_keep)."""
         if layout.inputs_kernel:  # both streams written straight into the joint sequence
             streams = [(qkv, self.q_norm, self.k_norm, layout.rope_audio),
                        (qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)]  # fmt: skip
@@ -510,7 +523,7 @@ class JointAttention(Attention):
         q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope_audio)
         cq, ck, cv = self._project(qkv_c, self.c_q_norm, self.c_k_norm, layout.rope_text)
         q, k, v = (torch.cat(pair, dim=1) for pair in ((q, cq), (k, ck), (v, cv)))  # [bc, na + nt, h, dh]
-        return attend(q, k, v, layout.key_mask, layout.visible_keys)
+        return attend(q, k, v, layout.key_mask, layout.visible_keys, split=qkv.shape[1])
 
 
 def block_inputs(h: Tensor, shift: Tensor, scale: Tensor, to_qkv: nn.Module, norm_kernel: bool) -> Tensor:
@@ -537,7 +550,7 @@ class BlockPhases:
 
     inputs: Callable[..., Tensor] = block_inputs
     attention: Callable[..., Tensor] = Attention.attend_qkv  # (attn, qkv, layout)
-    joint_attention: Callable[..., Tensor] = JointAttention.attend_streams  # (attn, qkv, qkv_c, layout)
+    joint_attention: Callable[..., tuple[Tensor, Tensor]] = JointAttention.attend_streams  # (attn, qkv, qkv_c, layout)
     outputs: Callable[..., Tensor] = block_outputs
 
     def compiled(self, **options: Any) -> BlockPhases:
@@ -580,13 +593,12 @@ class DoubleStreamBlock(nn.Module):
             qkv_c = phases.inputs(c, c_shift, c_scale, attn.to_qkv_c, kernel)
         qkv = phases.inputs(x, x_shift, x_scale, attn.to_qkv, kernel)
         join(text_stream)
-        out = phases.joint_attention(attn, qkv, qkv_c, layout)  # [bc, na + nt, h*dh]
-        audio_len = x.shape[1]
+        out_x, out_c = phases.joint_attention(attn, qkv, qkv_c, layout)  # [bc, na, h*dh], [bc, nt, h*dh]
         with beside(text_stream):
-            c = phases.outputs(c, out[:, audio_len:], attn.to_out_c, c_gate, layout.text_keep, c_shift_ff,
-                               c_scale_ff, self.ff_c, c_gate_ff, kernel)
-        x = phases.outputs(x, out[:, :audio_len], attn.to_out[0], x_gate, layout.audio_keep, x_shift_ff, x_scale_ff,
-                           self.ff_x, x_gate_ff, kernel)
+            c = phases.outputs(c, out_c, attn.to_out_c, c_gate, layout.text_keep, c_shift_ff, c_scale_ff, self.ff_c,
+                               c_gate_ff, kernel)
+        x = phases.outputs(x, out_x, attn.to_out[0], x_gate, layout.audio_keep, x_shift_ff, x_scale_ff, self.ff_x,
+                           x_gate_ff, kernel)
         join(text_stream)
         return x, c
 

@@ -166,6 +166,7 @@ class PromptProcessor:
         self.feature_extractor = feature_extractor
         self.audio_token_id = audio_token_id
         self._stft_tables: dict[torch.device, tuple[Tensor, Tensor]] = {}  # device -> (window, mel filters)
+        self.log_mel_graphs = None  # set by the GPU fast path: replays `log_mel` from CUDA graphs (accel.LogMelGraphs)
         # Chat markers and multimodal placeholders: inside an instruction they would change the prompt's layout.
         self.reserved_tokens = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
 
@@ -224,18 +225,31 @@ class PromptProcessor:
         padded = min(extractor.n_samples, -(-(audio.size + n_fft) // hop) * hop)
         frames = -(-audio.size // hop)  # the frames the extractor's attention mask keeps: one per hop begun
         device = torch.device(device)
-        if device not in self._stft_tables:
-            filters = torch.from_numpy(np.asarray(extractor.mel_filters, dtype=np.float32))  # [n_fft / 2 + 1, m]
-            self._stft_tables[device] = (torch.hann_window(n_fft, device=device), filters.T.contiguous().to(device))
-        window, mel_filters = self._stft_tables[device]
-        wave = torch.zeros(padded, dtype=torch.float32, device=device)
-        wave[: audio.size].copy_(torch.from_numpy(audio), non_blocking=True)
-        stft = torch.stft(wave, n_fft, hop, window=window, return_complex=True)  # [n_fft / 2 + 1, padded / hop + 1]
+        if self.log_mel_graphs is not None and device == self.log_mel_graphs.device:
+            log_mel = self.log_mel_graphs.log_mel(audio, padded)  # [m, >= padded / hop]
+        else:
+            wave = torch.zeros(padded, dtype=torch.float32, device=device)
+            wave[: audio.size].copy_(torch.from_numpy(audio), non_blocking=True)
+            log_mel = self.log_mel(wave)
+        return log_mel[None, :, :frames], torch.ones(1, frames, dtype=torch.int32)
+
+    def log_mel(self, wave: Tensor) -> Tensor:
+        """The extractor's normalised log-mel spectrogram of a zero-padded clip: [s] -> [m, s / hop], s a multiple
+        of the hop. More silence past the padding adds frames and changes none: silent frames sit at the log floor
+        of 1e-10, under the clip's peak, which sets the floor they are raised to."""
+        n_fft, hop = self.feature_extractor.n_fft, self.feature_extractor.hop_length
+        if wave.device not in self._stft_tables:
+            filters = np.asarray(self.feature_extractor.mel_filters, dtype=np.float32)  # [n_fft / 2 + 1, m]
+            self._stft_tables[wave.device] = (
+                torch.hann_window(n_fft, device=wave.device),
+                torch.from_numpy(filters).T.contiguous().to(wave.device),
+            )
+        window, mel_filters = self._stft_tables[wave.device]
+        stft = torch.stft(wave, n_fft, hop, window=window, return_complex=True)  # [n_fft / 2 + 1, s / hop + 1]
         power = (stft[..., :-1].abs() ** 2).contiguous()  # the last frame is dropped, as the extractor drops it
-        log_spec = torch.clamp(mel_filters @ power, min=1e-10).log10()  # [m, padded / hop]
+        log_spec = torch.clamp(mel_filters @ power, min=1e-10).log10()  # [m, s / hop]
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)  # the floor: 80 dB under the clip's peak
-        features = ((log_spec + 4.0) / 4.0)[None, :, :frames]  # [1, m, f]
-        return features, torch.ones(1, frames, dtype=torch.int32)
+        return (log_spec + 4.0) / 4.0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from auk_worker.errors import AudioError, CheckpointError, ConfigError, InputErr
 from auk_worker.model.alias_free import AliasFreeActivation, activation_span
 from auk_worker.model.conv_kernel import causal_conv
 from auk_worker.model.streams import beside, join
+from auk_worker.model.upsample_kernel import causal_upsample
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +168,12 @@ class UpsampleConv(nn.ConvTranspose1d):
     def __init__(self, cin: int, cout: int, kernel: int, stride: int, *, causal: bool):
         super().__init__(cin, cout, kernel, stride=stride, padding=0 if causal else (kernel - stride) // 2)
         self.trim = stride if causal else 0
+        # Computed as one product and an overlap-add kernel (``upsample_kernel``) where ``use_fast_upsamplers`` says.
+        self.fast = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, n] -> [b, cout, n * stride]
+        if self.fast:
+            return causal_upsample(x, self.weight, self.bias, self.stride[0])
         x = super().forward(x)
         return x[..., : x.shape[-1] - self.trim]
 

@@ -60,10 +60,13 @@ def available(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
     )
 
 
-def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int) -> Tensor:
+def varlen_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, *, split: int | None = None
+) -> Tensor:
     """The kernel's contract in torch, in fp32 with one rounding to q's dtype: for each row i (positions
     ``starts[i]:starts[i + 1]`` of q, k, v [total, h, dh]), softmax(q kᵀ / sqrt(dh)) v over the row's first
-    ``count[i]`` keys; zeros where count[i] is 0. Returns [total, h, dh]. For tests (it syncs with the host)."""
+    ``count[i]`` keys; zeros where count[i] is 0. Returns [total, h, dh], its parts laid out as ``varlen_attention``
+    lays them out for a ``split``. For tests (it syncs with the host)."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     bounds, counts = starts.tolist(), count.tolist()
     for i, visible in enumerate(counts):
@@ -76,6 +79,9 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, 
         rq, rk, rv = (t[begin:end].float().transpose(0, 1) for t in (q, k, v))  # [h, length, dh]
         weights = torch.softmax(rq @ rk[:, :visible].transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
         out[begin:end] = (weights @ rv[:, :visible]).transpose(0, 1)
+    if split is not None:
+        by_row = out.view(len(counts), m, *out.shape[1:])
+        out = torch.cat((by_row[:, :split].flatten(0, 1), by_row[:, split:].flatten(0, 1)))
     return out.to(q.dtype)
 
 
@@ -109,8 +115,9 @@ if triton is not None:
     @triton.jit
     def _varlen_attention_kernel(
         q_ptr, k_ptr, v_ptr, starts_ptr, count_ptr, out_ptr,
-        q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride,
+        q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride, split,
         HEADS: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         # The scale is a compile-time constant: inductor passes a float argument as fp64, which would carry the
         # whole softmax into fp64.
@@ -143,13 +150,17 @@ if triton is not None:
                 BLOCK_N, True,
             )
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # no visible keys: acc is 0, and so is the output
-        out_at = (start + i)[:, None] * (HEADS * DH) + head * DH + d[None, :]
+        at = start + i
+        if SPLIT:  # rows of one length: every row's first ``split`` positions first, then every row's rest
+            rows = tl.num_programs(2)
+            at = tl.where(i < split, row * split + i, rows * split + row * (length - split) + i - split).to(tl.int64)
+        out_at = at[:, None] * (HEADS * DH) + head * DH + d[None, :]
         tl.store(out_ptr + out_at, out.to(out_ptr.dtype.element_ty), mask=queries)
 
     @torch.library.triton_op("auk::varlen_attention", mutates_args=())
     def _varlen_attention(
-        q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, block_m: int, block_n: int,
-        warps: int, stages: int,
+        q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, split: int, block_m: int,
+        block_n: int, warps: int, stages: int,
     ) -> Tensor:
         total, heads, dim_head = q.shape
         out = q.new_empty(total, heads, dim_head)
@@ -157,21 +168,26 @@ if triton is not None:
         grid = (triton.cdiv(m, block_m), heads, count.shape[0])
         torch.library.wrap_triton(_varlen_attention_kernel)[grid](
             q, k, v, starts, count, out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            HEADS=heads, DH=dim_head, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=qk_scale, num_warps=warps,
-            num_stages=stages,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split,
+            HEADS=heads, DH=dim_head, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=qk_scale, SPLIT=split < m,
+            num_warps=warps, num_stages=stages,
         )
         return out
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, *, launch: Launch | None = None
+    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, *, split: int | None = None,
+    launch: Launch | None = None,
 ) -> Tensor:
     """Attention over rows packed as q, k, v [total, h, dh] (any strides with unit channel stride), as
     ``dit.flash_varlen_attention``: row i is positions ``starts[i]:starts[i + 1]`` (``starts`` [rows + 1] int32,
     at most m positions a row) and its queries attend to its first ``count[i]`` keys (``count`` [rows] int32, read
-    on the device); zeros where count[i] is 0. Returns a new contiguous [total, h, dh] in q's dtype. ``launch``:
-    (BLOCK_M, BLOCK_N, warps, stages) instead of ``launch_settings()``. Runs the kernel (``available``)."""
+    on the device); zeros where count[i] is 0. Returns a new contiguous [total, h, dh] in q's dtype.
+
+    ``split`` (0 < split < m) is for rows all m long (starts[i] = i * m): the output then holds every row's first
+    ``split`` positions, row after row, and after them every row's other m - split: two parts, each contiguous (a
+    joint attention's audio and text outputs, each the input of its own projection). ``launch``: (BLOCK_M,
+    BLOCK_N, warps, stages) instead of ``launch_settings()``. Runs the kernel (``available``)."""
     if triton is None:
         raise RuntimeError("the variable-length attention kernel needs Triton")
     dim_head = q.shape[-1]
@@ -179,5 +195,7 @@ def varlen_attention(
         raise ValueError(f"q, k, v must be one shape [total, h, dh], got {[tuple(t.shape) for t in (q, k, v)]}")
     if dim_head < 16 or dim_head & (dim_head - 1):
         raise ValueError(f"the head width must be a power of two of at least 16, got {dim_head}")
+    if split is not None and not (0 < split < m and q.shape[0] == (starts.shape[0] - 1) * m):
+        raise ValueError(f"split {split} needs rows of m = {m} positions and 0 < split < m")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _varlen_attention(q, k, v, starts, count, m, *(launch or launch_settings()))
+    return _varlen_attention(q, k, v, starts, count, m, m if split is None else split, *(launch or launch_settings()))

@@ -1,0 +1,67 @@
+"""The causal upsampler as a product and an overlap-add kernel against torch's transposed convolution, alone and
+inside a decoder. The kernel runs in Triton's CPU interpreter here (a process of its own) and compiled in
+tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import torch
+
+from auk_worker.model.upsample_kernel import hand_upsamplers_to_kernel
+from auk_worker.model.vae import AuKVAE, UpsampleConv, VAEConfig
+from tests.triton_interpreter import needs_triton, run_in_interpreter
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check_causal_upsample() -> None:
+    """Every release stride; lengths of one input, shorter than a program's block and past it (not a multiple);
+    a batch of two; an input read through the strides of a slice."""
+    from auk_worker.model.upsample_kernel import BLOCK_Q, causal_upsample
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for stride in (2, 3, 4, 5):
+            up = UpsampleConv(12, 7, 2 * stride, stride, causal=True)
+            for n in (1, 37, BLOCK_Q + 5):
+                x = torch.randn(2, 12, n + 2)[..., 1:-1]
+                expected = up(x)
+                got = causal_upsample(x, up.weight, up.bias, stride)
+                assert got.shape == expected.shape == (2, 7, n * stride)
+                assert relative(got, expected) < 1e-5, (stride, n, relative(got, expected))
+
+
+def check_decoder_with_kernel_upsamplers() -> None:
+    """A small decoder whose six upsamplers run on the kernel decodes what torch's transposed convolutions decode,
+    and hands them back."""
+    config = VAEConfig(upsample_rates=(4, 3, 2, 2, 2, 5), upsample_kernel_sizes=(8, 6, 4, 4, 4, 10),
+                       upsample_initial_channel=128)  # fmt: skip
+    torch.manual_seed(0)
+    vae = AuKVAE(config).eval().requires_grad_(False)
+    latents = torch.randn(2, 5, config.latent_dim)
+    with torch.inference_mode():
+        expected = vae.decode(latents)
+        assert hand_upsamplers_to_kernel(vae) == 6
+        got = vae.decode(latents)
+        assert hand_upsamplers_to_kernel(vae, enabled=False) == 0
+        assert torch.equal(vae.decode(latents), expected)  # handed back
+    assert relative(got, expected) < 1e-5, relative(got, expected)
+
+
+def test_only_causal_fp32_upsamplers_go_to_the_kernel():
+    causal = UpsampleConv(8, 4, 6, 3, causal=True)
+    centred = UpsampleConv(8, 4, 6, 3, causal=False)
+    half = UpsampleConv(8, 4, 6, 3, causal=True).to(torch.bfloat16)
+    assert hand_upsamplers_to_kernel(torch.nn.ModuleList([causal, centred, half])) == 1
+    assert (causal.fast, centred.fast, half.fast) == (True, False, False)
+
+
+@needs_triton
+def test_causal_upsample_equals_conv_transpose1d_in_the_triton_interpreter():
+    run_in_interpreter("tests.test_upsample_kernel", "check_causal_upsample")
+
+
+@needs_triton
+def test_decoder_with_kernel_upsamplers_equals_the_torch_decoder_in_the_triton_interpreter():
+    run_in_interpreter("tests.test_upsample_kernel", "check_decoder_with_kernel_upsamplers")
