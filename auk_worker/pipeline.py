@@ -40,7 +40,6 @@ from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, Out
 from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.conv_kernel import use_fast_convs
-from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.dit import AuKDiT
 from auk_worker.model.encoder import ThinkerEncoder
 from auk_worker.model.fp8 import fp8_supported, use_fp8_block_linears
@@ -54,6 +53,7 @@ from auk_worker.model.sampling import (
     needs_uncond,
     time_grid,
 )
+from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.vae import AuKVAE, load_vae, plan_tiles
 from auk_worker.types import (
     FRAME_RATE,
@@ -420,11 +420,12 @@ class AuKPipeline:
                     ref_ready = encoded
                 ref_valid = self.vae.valid_frames(len(clip_24k))
 
+            # Drawn here, while the resampling thread may still be at work.
+            noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))
             started = self._mark()
             audio_16k = None if pending_16k is None else pending_16k.result()
             embeds = self.encoder.embed(request.instruction, audio_16k)  # [nt, dt]
             timings["encode"] = [_Span(started, self._mark())]
-            noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))
         return _Job(
             index=index,
             schedule=schedule,

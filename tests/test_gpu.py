@@ -454,7 +454,7 @@ def test_upsample_kernel_matches_conv_transpose1d():
     from auk_worker.model.upsample_kernel import causal_upsample
 
     generator = torch.Generator("cuda").manual_seed(5)
-    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)
     tf32 = torch.backends.cudnn.allow_tf32
     for cin, stride, length in ((1536, 5, 600), (768, 4, 3000), (192, 2, 36_000), (48, 2, 144_000), (384, 3, 1)):
         weight = randn(cin, cin // 2, 2 * stride) / (cin * 2) ** 0.5

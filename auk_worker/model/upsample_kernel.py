@@ -89,7 +89,9 @@ def use_fast_upsamplers(model: nn.Module, device: torch.device) -> int:
 def hand_upsamplers_to_kernel(model: nn.Module, enabled: bool = True) -> int:
     """``use_fast_upsamplers`` whatever the device (tests run the kernel in Triton's interpreter); ``enabled``
     False hands every upsampler back to torch. Returns how many the kernel runs."""
-    from auk_worker.model.vae import UpsampleConv  # vae imports this module; the import here avoids the cycle
+    from auk_worker.model.vae import (
+        UpsampleConv,  # vae imports this module; the import here avoids the cycle
+    )
 
     count = 0
     for module in model.modules():
