@@ -39,13 +39,18 @@ def check_causal_conv() -> None:
                 assert relative(got, residual + expected) < 1e-5, (channels, kernel, t)
 
 
-def check_decoder_with_kernel_convs() -> None:
-    """A small decoder with every AMP conv handed to the kernel decodes what torch's convolutions decode."""
+def small_decoder() -> tuple[AuKVAE, torch.Tensor]:
+    """A decoder with every release stride but 128 channels at its widest (64 down to 2 in its stages), random
+    weights, and a batch of two short latent clips for it."""
     config = VAEConfig(upsample_rates=(4, 3, 2, 2, 2, 5), upsample_kernel_sizes=(8, 6, 4, 4, 4, 10),
                        upsample_initial_channel=128)  # fmt: skip
     torch.manual_seed(0)
-    vae = AuKVAE(config).eval().requires_grad_(False)
-    latents = torch.randn(2, 5, config.latent_dim)
+    return AuKVAE(config).eval().requires_grad_(False), torch.randn(2, 5, config.latent_dim)
+
+
+def check_decoder_with_kernel_convs() -> None:
+    """A small decoder with every AMP conv handed to the kernel decodes what torch's convolutions decode."""
+    vae, latents = small_decoder()
     with torch.inference_mode():
         expected = vae.decode(latents)
         assert hand_convs_to_kernel(vae, max_width=32) == 5 * 18  # stages 64, 32, ... 2 wide; 18 convs each

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from auk_worker.model.upsample_kernel import hand_upsamplers_to_kernel
-from auk_worker.model.vae import AuKVAE, UpsampleConv, VAEConfig
+from auk_worker.model.vae import UpsampleConv
+from tests.test_conv_kernel import small_decoder
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 
@@ -35,11 +36,7 @@ def check_causal_upsample() -> None:
 def check_decoder_with_kernel_upsamplers() -> None:
     """A small decoder whose six upsamplers run on the kernel decodes what torch's transposed convolutions decode,
     and hands them back."""
-    config = VAEConfig(upsample_rates=(4, 3, 2, 2, 2, 5), upsample_kernel_sizes=(8, 6, 4, 4, 4, 10),
-                       upsample_initial_channel=128)  # fmt: skip
-    torch.manual_seed(0)
-    vae = AuKVAE(config).eval().requires_grad_(False)
-    latents = torch.randn(2, 5, config.latent_dim)
+    vae, latents = small_decoder()
     with torch.inference_mode():
         expected = vae.decode(latents)
         assert hand_upsamplers_to_kernel(vae) == 6
