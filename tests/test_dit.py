@@ -356,8 +356,9 @@ def test_the_hand_written_attention_kernel_takes_the_variable_length_calls(monke
 
     calls = []
     monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append("flash") or reference_varlen_attention(*a))
+    reference = varlen_attention_kernel.varlen_attention_reference
     monkeypatch.setattr(varlen_attention_kernel, "varlen_attention",
-                        lambda *a, **kw: calls.append("kernel") or varlen_attention_kernel.varlen_attention_reference(*a, **kw))  # fmt: skip
+                        lambda *a, **kw: calls.append("kernel") or reference(*a, **kw))  # fmt: skip
     model = make_model(seed=6)
     model.varlen_attention = True
     text, ref, x, lens, n, t = padded_rows(seed=63)

@@ -13,8 +13,9 @@ transformers runs that with Python loops over chunks and a gather of the valid t
 shapes follow the clip. ``AudioTowerRunner`` computes the same thing over zero-padded whole chunks:
 - ``plan`` (host, from f alone): chunk count, frames of the last chunk, how many output rows are valid.
 - ``prepare``: the clip's frames zero-padded to [c, m, w] and each chunk's frame count [c], on the device.
-- ``core``: fixed shapes for a chunk count, no host syncs. One SDPA call per layer over [c, h, t, dh] with a key
-  mask built from the chunk frame counts, so the last chunk's padded tokens are never keys. Only the last chunk
+- ``core``: fixed shapes for a chunk count, no host syncs. One SDPA call per layer over [c, h, t, dh] with an
+  additive key mask built once from the chunk frame counts, so the last chunk's padded tokens are never keys; q, k
+  and v come from one product over the layer's fused projection weights (``_fused_qkv``). Only the last chunk
   has padding, so the valid tokens are a prefix of the flattened [c * t] sequence: pairing that sequence is the
   reference's per-clip pooling, and the valid output rows are the first na.
 ``AudioTowerGraphs`` replays ``core`` from one CUDA graph per chunk count (eager off CUDA).
@@ -66,7 +67,7 @@ def _encoder_layer(layer: nn.Module, qkv: nn.Linear, x: Tensor, key_bias: Tensor
     projections as one (``_fused_qkv``); ``key_bias`` [c, 1, 1, t] is 0 for a chunk's valid keys, -inf past them."""
     attn = layer.self_attn
     c, t, d = x.shape
-    q, k, v = qkv(layer.self_attn_layer_norm(x)).view(c, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # [c, h, t, dh]
+    q, k, v = qkv(layer.self_attn_layer_norm(x)).view(c, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # views
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias, scale=(d // heads) ** -0.5)  # [c, h, t, dh]
     x = x + attn.out_proj(o.transpose(1, 2).reshape(c, t, d))
     x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))

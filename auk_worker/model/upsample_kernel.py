@@ -76,7 +76,8 @@ def causal_upsample(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, s
     y = x.new_empty((b, cout, n * stride))
     if y.numel():
         grid = (triton.cdiv(n, BLOCK_Q), cout, b)
-        _overlap_add_kernel[grid](taps, bias, y, n, stride, cout, BLOCK_Q=BLOCK_Q, PHASES=triton.next_power_of_2(stride))
+        phases = triton.next_power_of_2(stride)
+        _overlap_add_kernel[grid](taps, bias, y, n, stride, cout, BLOCK_Q=BLOCK_Q, PHASES=phases)
     return y
 
 
