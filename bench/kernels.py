@@ -24,12 +24,12 @@ from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, compile_
 from auk_worker.model.alias_free_kernel import use_fast_activations
 from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
 from auk_worker.model.conv_kernel import use_fast_convs
-from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity
 from auk_worker.model.tiny_qwen import write_tiny_qwen
+from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.vae import AuKVAE, VAEConfig
 from bench.dit_step import durations, make_ctx, timed
 from bench.models import RELEASE_ARCH, release_thinker_config

@@ -345,13 +345,14 @@ def test_audio_tower_graphs_match_the_transformers_tower(pipe):
     assert graphs is not None, "the CUDA path attaches the graphed audio tower"
     compiled = AudioTowerRunner(trunk.audio_tower)
     compiled.compile_layers()
+    compiled_graphs = AudioTowerGraphs(compiled)  # one graph per chunk count, captured on first use
     generator = torch.Generator("cuda").manual_seed(0)
     for frames in (150, 400, 577, 2990):  # part of a chunk, two whole chunks, a partial third, fifteen chunks
         features = torch.randn(1, 128, frames, device="cuda", generator=generator)
         mask = torch.ones(1, frames, dtype=torch.long, device="cuda")
         with torch.inference_mode():
             fast = trunk.embed_audio(features, mask)
-            trunk.audio_runner = AudioTowerGraphs(compiled)
+            trunk.audio_runner = compiled_graphs
             try:
                 fast_compiled = trunk.embed_audio(features, mask)
                 trunk.audio_runner = None

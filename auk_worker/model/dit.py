@@ -420,17 +420,17 @@ def attend(
     if visible_keys is None:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, h, m, dh] views
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
-        return out if split is None else (out[:, :split], out[:, split:])
-    if not keys_in_order:
-        order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
-        k, v = k.gather(1, order), v.gather(1, order)
-    q, k, v = (t.reshape(bc * m, h, dh) for t in (q, k, v))
-    if visible_keys.kernel:
-        out = varlen_attention_kernel.varlen_attention(q, k, v, visible_keys.starts, visible_keys.count, m, split=split)
-        if split is not None:
+    else:
+        if not keys_in_order:
+            order = visible_keys.order[:, :, None, None].expand(bc, m, h, dh)
+            k, v = k.gather(1, order), v.gather(1, order)
+        q, k, v = (t.reshape(bc * m, h, dh) for t in (q, k, v))
+        starts, count = visible_keys.starts, visible_keys.count
+        if visible_keys.kernel and split is not None:  # the two parts, each written in one piece
+            out = varlen_attention_kernel.varlen_attention(q, k, v, starts, count, m, split=split)
             return out[: bc * split].view(bc, split, h * dh), out[bc * split :].view(bc, m - split, h * dh)
-        return out.view(bc, m, h * dh)
-    out = varlen_attention(q, k, v, visible_keys.starts, visible_keys.count, m).reshape(bc, m, h * dh)
+        kernel = varlen_attention_kernel.varlen_attention if visible_keys.kernel else varlen_attention
+        out = kernel(q, k, v, starts, count, m).reshape(bc, m, h * dh)
     return out if split is None else (out[:, :split], out[:, split:])
 
 
