@@ -51,7 +51,8 @@ def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float =
     min_seconds = MIN_CLIP_SAMPLES_24K / SAMPLE_RATE
     if duration < min_seconds:
         raise AudioError(f"the audio is {duration * 1000:.1f} ms long; at least {min_seconds * 1000:.0f} ms is needed")
-    mono = samples.mean(axis=1, dtype=np.float32)
+    # A mono clip is copied as it is: numpy's mean over an axis of one is ten times slower than the copy.
+    mono = samples[:, 0].copy() if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float32)
     return AudioClip(samples=np.ascontiguousarray(mono), sample_rate=int(sample_rate))
 
 

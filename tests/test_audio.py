@@ -27,6 +27,15 @@ def test_stereo_44k_is_mixed_to_mono_at_its_own_rate():
     np.testing.assert_allclose(clip.samples, (left + right) / 2, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(24_000,), (24_000, 1)])
+def test_mono_clip_comes_back_equal_and_as_its_own_copy(shape):
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    clip = validate_clip(x, 24_000)
+    assert clip.samples.shape == (24_000,) and clip.samples.flags.c_contiguous
+    np.testing.assert_array_equal(clip.samples, x.reshape(-1))
+    assert not np.shares_memory(clip.samples, x)
+
+
 def test_flac_decodes():
     clip = decode_audio(wav_bytes(np.zeros(16_000, dtype=np.float32) + 0.25, 16_000, "PCM_16", "FLAC"))
     assert clip.duration_s == pytest.approx(1.0)
