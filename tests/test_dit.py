@@ -15,7 +15,6 @@ from auk_worker.model import dit as dit_module
 from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
 from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
 from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
-from auk_worker.model.swiglu_kernel import swiglu_reference
 from auk_worker.model.position_conv_kernel import position_conv_reference
 
 TINY = DiTConfig(
@@ -434,28 +433,6 @@ def test_modulated_norm_kernel_path_matches_the_module_path(cfg: bool, monkeypat
     model.norm_kernel = None  # automatic: only where the kernel runs, never on the CPU
     with torch.no_grad():
         assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.norm_kernel
-
-
-@pytest.mark.parametrize("cfg", [False, True])
-def test_swiglu_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
-    """The GPU's form of the feed-forwards (one SwiGLU call between the two products), run here with the kernel's
-    torch reference: one call per feed-forward, and the same velocity as the module path."""
-    calls = []
-    monkeypatch.setattr(dit_module, "swiglu", lambda y: calls.append(y.shape) or swiglu_reference(y))
-    model = make_model(seed=5)
-    text, ref, x, lens, n, t = padded_rows(seed=44)
-    outputs = {}
-    with torch.no_grad():
-        for kernel in (False, True):
-            model.ff_kernel = kernel
-            ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
-            assert ctx.joint.ff_kernel == ctx.single.ff_kernel == kernel
-            outputs[kernel] = model(x, t, ctx)
-    assert len(calls) == 2 * TINY.num_layers + TINY.num_single_layers  # a double block has two feed-forwards
-    torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=1e-5)
-    model.ff_kernel = None  # automatic: only where the kernel runs, never on the CPU
-    with torch.no_grad():
-        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.ff_kernel
 
 
 @pytest.mark.parametrize("cfg", [False, True])

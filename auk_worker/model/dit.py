@@ -21,8 +21,7 @@ There too, q, k and v go from the qkv projection to the attention's input in one
 (``attention_inputs_kernel``: q and k normed and rotated, the double blocks' two streams straight into the joint
 sequence, k and v straight into the visible-first order). In half precision on a GPU the audio embedding's two
 grouped position convolutions run as one ``position_conv_kernel`` call each (no im2col copy), with Mish, the
-padded frames' zeroing and the embedding's residual in the same pass. And the feed-forward's SwiGLU is one
-``swiglu_kernel`` call.
+padded frames' zeroing and the embedding's residual in the same pass.
 
 Shapes:
     b    requests (rows of the ODE state)
@@ -50,7 +49,6 @@ from auk_worker.model import (
     attention_inputs_kernel,
     modulated_norm_kernel,
     position_conv_kernel,
-    swiglu_kernel,
     varlen_attention_kernel,
 )
 from auk_worker.model.streams import beside, join
@@ -155,7 +153,6 @@ class JointLayout:
     text_keep: Tensor | None  # [bc, nt, 1]
     inputs_kernel: bool = False  # q, k, v through the attention-inputs kernel (attention_inputs)
     norm_kernel: bool = False  # adaptive norms and gated residuals through the modulated-norm kernel
-    ff_kernel: bool = False  # the feed-forwards' SwiGLU through the SwiGLU kernel
 
 
 @dataclass(frozen=True)
@@ -168,7 +165,6 @@ class SingleLayout:
     keep: Tensor | None  # [bc, ns, 1]
     inputs_kernel: bool = False
     norm_kernel: bool = False
-    ff_kernel: bool = False
 
 
 @dataclass(frozen=True)
@@ -394,10 +390,6 @@ def _gated_residual_norm(
     return x, _modulate(x, shift, scale)
 
 
-# The kernel of layouts with ff_kernel; CPU tests swap in a reference.
-swiglu = swiglu_kernel.swiglu
-
-
 class FeedForward(nn.Module):
     """SwiGLU with the gate and up projections fused into ``linear_in``; no biases."""
 
@@ -406,12 +398,8 @@ class FeedForward(nn.Module):
         self.linear_in = nn.Linear(dim, 2 * inner_dim, bias=False)
         self.linear_out = nn.Linear(inner_dim, dim, bias=False)
 
-    def forward(self, x: Tensor, kernel: bool = False) -> Tensor:
-        """``kernel``: the SwiGLU as one SwiGLU-kernel call."""
-        h = self.linear_in(x)
-        if kernel:
-            return self.linear_out(swiglu(h))
-        gate, up = h.chunk(2, dim=-1)
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.linear_in(x).chunk(2, dim=-1)
         return self.linear_out(F.silu(gate) * up)
 
 
@@ -546,12 +534,12 @@ def block_inputs(h: Tensor, shift: Tensor, scale: Tensor, to_qkv: nn.Module, nor
 
 def block_outputs(
     h: Tensor, attended: Tensor, to_out: nn.Module, gate: Tensor, keep: Tensor | None, shift_ff: Tensor,
-    scale_ff: Tensor, ff: nn.Module, gate_ff: Tensor, norm_kernel: bool, ff_kernel: bool = False,
+    scale_ff: Tensor, ff: nn.Module, gate_ff: Tensor, norm_kernel: bool,
 ) -> Tensor:
     """One stream's way out of a block: the attention's output projection into the residual stream through its
     gate (zeroed at the rows ``keep`` drops), then the feed-forward through its own norm and gate. [bc, m, d]."""
     h, normed = _gated_residual_norm(h, to_out(attended), gate, keep, shift_ff, scale_ff, norm_kernel)
-    return h + gate_ff * ff(normed, ff_kernel)
+    return h + gate_ff * ff(normed)
 
 
 @dataclass(frozen=True)
@@ -608,9 +596,9 @@ class DoubleStreamBlock(nn.Module):
         out_x, out_c = phases.joint_attention(attn, qkv, qkv_c, layout)  # [bc, na, h*dh], [bc, nt, h*dh]
         with beside(text_stream):
             c = phases.outputs(c, out_c, attn.to_out_c, c_gate, layout.text_keep, c_shift_ff, c_scale_ff, self.ff_c,
-                               c_gate_ff, kernel, layout.ff_kernel)
+                               c_gate_ff, kernel)
         x = phases.outputs(x, out_x, attn.to_out[0], x_gate, layout.audio_keep, x_shift_ff, x_scale_ff, self.ff_x,
-                           x_gate_ff, kernel, layout.ff_kernel)
+                           x_gate_ff, kernel)
         join(text_stream)
         return x, c
 
@@ -631,8 +619,7 @@ class SingleStreamBlock(nn.Module):
         attn, kernel = self.attn, layout.norm_kernel
         qkv = phases.inputs(h, shift, scale, attn.to_qkv, kernel)
         out = phases.attention(attn, qkv, layout)
-        return phases.outputs(h, out, attn.to_out[0], gate, layout.keep, shift_ff, scale_ff, self.ff, gate_ff, kernel,
-                              layout.ff_kernel)
+        return phases.outputs(h, out, attn.to_out[0], gate, layout.keep, shift_ff, scale_ff, self.ff, gate_ff, kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -722,8 +709,6 @@ class AuKDiT(nn.Module):
         self.attention_kernel: bool | None = None
         # The position convolutions of the audio embedding through the position-conv kernel.
         self.conv_kernel: bool | None = None
-        # The feed-forwards' SwiGLU through the SwiGLU kernel.
-        self.ff_kernel: bool | None = None
         # The blocks' phases (compiled by compile_dit_blocks), and the CUDA stream the double blocks' text stream
         # runs on beside the audio stream (None: the current stream; StepGraphs sets one).
         self.phases = PLAIN_PHASES
@@ -815,7 +800,6 @@ class AuKDiT(nn.Module):
         inputs_kernel = _switch(self.inputs_kernel, attention_inputs_kernel.available(device, dtype, config.dim_head))
         norm_kernel = _switch(self.norm_kernel, modulated_norm_kernel.available(device, dtype))
         attention_kernel = _switch(self.attention_kernel, varlen_attention_kernel.available(device, dtype, config.dim_head))
-        ff_kernel = _switch(self.ff_kernel, swiglu_kernel.available(device, dtype))
         joint_mask = _key_mask(torch.cat((audio_visible, text_valid), dim=1))
         single_mask = _key_mask(torch.cat((text_valid, audio_visible), dim=1))
         joint = JointLayout(
@@ -827,7 +811,6 @@ class AuKDiT(nn.Module):
             text_keep=_to_device(_keep(text_valid), device),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
-            ff_kernel=ff_kernel,
         )
         single = SingleLayout(
             rope=rope(single_present),
@@ -836,7 +819,6 @@ class AuKDiT(nn.Module):
             keep=_to_device(_keep(torch.cat((text_valid, audio_valid), dim=1)), device),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
-            ff_kernel=ff_kernel,
         )
         return DiTContext(
             cfg=cfg,
