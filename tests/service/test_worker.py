@@ -330,3 +330,22 @@ def test_pipeline_load_failure_reports_failed_and_exits(start_worker, tmp_path, 
     beat = worker.heartbeat(redis_client)
     assert beat["state"] == "failed" and beat["pid"] == str(worker.pid)
     assert beat["error"]  # the load error, for whoever reads the heartbeat
+
+
+def test_uploads_send_their_body_with_the_headers(storage) -> None:
+    """Every upload body is already in memory, so no ``Expect: 100-continue`` round trip before it; the object
+    arrives whole (a real SeaweedFS over HTTP)."""
+    sent: list[dict[str, str]] = []
+
+    def record(request, **_) -> None:
+        sent.append(dict(request.headers))
+
+    storage.client.meta.events.register("before-send.s3.PutObject", record)
+    try:
+        data = bytes(range(256)) * 400  # 100 kB
+        storage.put_wav("expect-test/a.wav", data, {"job-id": "a"})
+    finally:
+        storage.client.meta.events.unregister("before-send.s3.PutObject", record)
+    assert len(sent) == 1
+    assert "Expect" not in sent[0] and sent[0]["Content-Length"] == str(len(data))
+    assert storage.get_bytes(storage.bucket, "expect-test/a.wav") == data
