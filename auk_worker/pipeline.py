@@ -171,7 +171,7 @@ class AuKPipeline:
             self.step_graphs = StepGraphs(dit, model_config.max_dit_graphs, compile_blocks=compile_blocks)
             if vae_fast_paths:
                 # Each anti-aliased activation runs as one fused kernel, and the reference encode replays a graph
-                # per whole-second bucket (both exact to rounding; figures in the README).
+                # per whole-second bucket (both exact to rounding; figures in bench/RESULTS.md).
                 log.info("vae activations: %s", use_fast_activations(vae, device))
                 if precision != "exact":  # the kernel's products are TF32, as cuDNN's are unless told otherwise
                     log.info("vae: %d narrow convolutions on the Triton kernel", use_fast_convs(vae, device))

@@ -1,6 +1,6 @@
 """GPU checks at release size with random weights: a smoke render, graphs against eager, batched against alone.
 
-Skipped where there is no CUDA. The tolerances are the measured differences with headroom (README, "GPU path").
+Skipped where there is no CUDA. The tolerances are the measured differences with headroom (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def compare(what: str, fast: torch.Tensor, reference: torch.Tensor, tolerance: float) -> None:
-    """Same shape, and a relative L2 difference under ``tolerance`` (printed: the README quotes it)."""
+    """Same shape, and a relative L2 difference under ``tolerance`` (printed: bench/RESULTS.md quotes it)."""
     assert fast.shape == reference.shape
     diff = rel_diff(fast.float().cpu().numpy(), reference.float().cpu().numpy())
     print(f"{what}: relative L2 difference {diff:.3e}")

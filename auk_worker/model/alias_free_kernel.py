@@ -18,7 +18,7 @@ two scalars per row.
 Earlier forms cost more. The first recomputed each oversampled sample for the six outputs that read it, about 12
 sines per output. The next kept BLOCK outputs and computed the extra positions as a tensor of HALO of their own;
 a tensor narrower than the program's threads is computed by every thread, so those 8 positions cost half as many
-instructions as the block's 256 (the kernel is bound by instructions, not memory: README, Speed on an H200).
+instructions as the block's 256 (the kernel is bound by instructions, not memory: bench/RESULTS.md).
 
 The clamps and the edge scalars matter only where a block's reads reach past a row's ends: a block whose reads
 all fall inside its row (every block but a row's first and last one or two) runs without them, a constexpr copy

@@ -415,7 +415,7 @@ def attend(
     With ``split`` it returns the first ``split`` positions and the rest as two parts, [bc, split, h*dh] and
     [bc, m - split, h*dh]; the hand-written kernel writes each part contiguous, so that each goes into its own
     output projection as one plain matrix (a strided part costs the audio stream's projection a slower product
-    and a separate bias add: README, Speed on an H200)."""
+    and a separate bias add: bench/RESULTS.md)."""
     bc, m, h, dh = q.shape
     if visible_keys is None:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, h, m, dh] views
@@ -555,8 +555,8 @@ class BlockPhases:
 
     def compiled(self, **options: Any) -> BlockPhases:
         """The streams' phases (``inputs``, ``outputs``) through ``torch.compile(phase, **options)``. The attention
-        phases stay as they are: on the fast path they are the hand-written kernels already (see the README on
-        what compiling them cost)."""
+        phases stay as they are: on the fast path they are the hand-written kernels already (see bench/RESULTS.md
+        on what compiling them cost)."""
         return replace(self, inputs=torch.compile(self.inputs, **options), outputs=torch.compile(self.outputs, **options))
 
 

@@ -4,7 +4,7 @@ Every block normalises its stream twice and modulates the result by its time-dep
 ``LN(x) * (1 + scale) + shift`` (layer norm without affine weights). Before the second norm it adds the attention's
 output through its gate, ``x + gate * y``, with y zeroed at padded positions (``keep``). Inductor fuses each of
 these into one kernel too, but slower: in a compiled 6 s zero-shot step on the H200 its norm kernels took about
-0.74 ms and these take 0.61 ms (README, Speed). A program takes ``ROWS`` positions, loads each of them once, and
+0.74 ms and these take 0.61 ms (bench/RESULTS.md). A program takes ``ROWS`` positions, loads each of them once, and
 writes the modulated norm (and the new residual stream) once.
 
 Arithmetic: fp32 from the load on, one rounding to the output dtype per output. The residual sum is rounded to the

@@ -8,7 +8,7 @@ sample q * s + r (r < s) then reads exactly two taps: tap r of input q and tap r
 So one product ``taps = w' @ x`` with w' the weight [in, out, 2s] read as [out * 2s, in] gives every tap of every
 input, [out, 2s, n], and a kernel adds the two that meet at each output and the bias (``_overlap_add_kernel``).
 cuDNN runs the widest of these (1,536 to 768 channels, stride 5) with its legacy transposed-conv engine: 459 µs
-at 600 frames on an H200, where the product and the add take about a quarter of that (README, Speed on an H200).
+at 600 frames on an H200, where the product and the add take about a quarter of that (bench/RESULTS.md).
 The product follows cuDNN's TF32 setting, as the convolution it replaces did.
 """
 
