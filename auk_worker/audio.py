@@ -53,7 +53,7 @@ def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float =
         raise AudioError(f"the audio is {duration * 1000:.1f} ms long; at least {min_seconds * 1000:.0f} ms is needed")
     # A mono clip is copied as it is: numpy's mean over an axis of one is ten times slower than the copy.
     mono = samples[:, 0].copy() if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float32)
-    return AudioClip(samples=np.ascontiguousarray(mono), sample_rate=int(sample_rate))
+    return AudioClip(samples=mono, sample_rate=int(sample_rate))  # both forms are new contiguous arrays
 
 
 def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
