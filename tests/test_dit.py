@@ -12,7 +12,7 @@ from torch import nn
 
 from auk_worker.errors import CheckpointError, InputError
 from auk_worker.model import dit as dit_module
-from auk_worker.model.dit import AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig
+from auk_worker.model.dit import PLAIN_PHASES, AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig, SingleStreamBlock
 from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
 from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
 from auk_worker.model.position_conv_kernel import position_conv_reference
@@ -376,6 +376,41 @@ def test_the_hand_written_attention_kernel_takes_the_variable_length_calls(monke
     with torch.no_grad():
         ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=True)
     assert not ctx.single.visible_keys.kernel
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_the_last_block_computes_only_the_target(kernel: bool, monkeypatch) -> None:
+    """The last single block attends only the target's queries (over every key) and runs its output projection and
+    feed-forward on the target alone: the same velocity as every position through it, cut to the target, on a
+    padded CFG batch. ``kernel``: the masked attention through the hand-written kernel (here its torch
+    reference), which is asked for the queries from the target's first position on."""
+    from auk_worker.model import varlen_attention_kernel
+
+    firsts = []
+    reference = varlen_attention_kernel.varlen_attention_reference
+    monkeypatch.setattr(varlen_attention_kernel, "varlen_attention",
+                        lambda *a, **kw: firsts.append(kw.get("first", 0)) or reference(*a, **kw))  # fmt: skip
+    model = make_model(seed=7)
+    model.varlen_attention = model.attention_kernel = kernel
+    text, ref, x, lens, n, t = padded_rows(seed=71)
+    whole = SingleStreamBlock.forward
+
+    def every_position(self, h, modulation, layout, phases=PLAIN_PHASES, target=None):
+        out = whole(self, h, modulation, layout, phases)
+        return out if target is None else out[:, -target:]
+
+    outputs = {}
+    with torch.no_grad():
+        ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=True)
+        outputs["target"] = model(x, t, ctx)
+        with monkeypatch.context() as patch:
+            patch.setattr(SingleStreamBlock, "forward", every_position)
+            outputs["every"] = model(x, t, ctx)
+    assert_valid_frames_close(outputs["target"], outputs["every"])
+    if kernel:
+        ns = text.shape[1] + ref.shape[1] + n
+        blocks = TINY.num_layers + TINY.num_single_layers
+        assert firsts == [0] * (blocks - 1) + [ns - n] + [0] * blocks  # the second pass: every position
 
 
 @pytest.mark.parametrize("cfg", [False, True])

@@ -142,6 +142,34 @@ def check_split_output() -> None:
         raise AssertionError(f"split {split} was accepted")
 
 
+def check_first_queries() -> None:
+    """With ``first`` the kernel computes only each row's queries from ``first`` on, over the same keys, and
+    writes them row after row: the same values as the whole output's (each query's sum is its own). ``first``
+    inside the first query block, on a block's edge and inside the last; a row with no visible key; the reference
+    lays its output out the same way. Bad values are refused."""
+    from auk_worker.model.varlen_attention_kernel import varlen_attention
+
+    multiply_bf16_tiles_by_value()
+    launch = (16, 32, 4, 1)
+    rows, m = 3, 37
+    starts, count = uniform(rows, m, (37, 20, 0))
+    q, k, v = packed(rows, m, 32, torch.bfloat16, seed=6, strided=True)
+    by_row = varlen_attention(q, k, v, starts, count, m, launch=launch).view(rows, m, HEADS, 32)
+    for first in (5, 16, 30):
+        out = varlen_attention(q, k, v, starts, count, m, first=first, launch=launch)
+        assert out.shape == (rows * (m - first), HEADS, 32) and out.is_contiguous(), first
+        assert torch.equal(out.view(rows, m - first, HEADS, 32), by_row[:, first:]), first
+        exact = varlen_attention_reference(q, k, v, starts, count, m, first=first)
+        assert exact.shape == out.shape
+        assert (out.float() - exact.float()).abs().max().item() <= 2**-6 * v.float().abs().max().item(), first
+    for bad in ({"first": m}, {"first": 3, "split": 5}):
+        try:
+            varlen_attention(q, k, v, starts, count, m, launch=launch, **bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
+
+
 @needs_triton
 def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
     run_in_interpreter("tests.test_varlen_attention_kernel", "check_kernel")
@@ -150,6 +178,11 @@ def test_kernel_equals_the_reference_in_the_triton_interpreter() -> None:
 @needs_triton
 def test_split_output_holds_each_part_contiguous_in_the_triton_interpreter() -> None:
     run_in_interpreter("tests.test_varlen_attention_kernel", "check_split_output")
+
+
+@needs_triton
+def test_first_queries_only_in_the_triton_interpreter() -> None:
+    run_in_interpreter("tests.test_varlen_attention_kernel", "check_first_queries")
 
 
 @needs_triton

@@ -163,6 +163,7 @@ class SingleLayout:
     key_mask: Tensor | None  # [bc, 1, 1, ns]
     visible_keys: VisibleKeys | None
     keep: Tensor | None  # [bc, ns, 1]
+    target_keep: Tensor | None  # [bc, n, 1]: keep's last n rows, the target's (the last block's outputs)
     inputs_kernel: bool = False
     norm_kernel: bool = False
 
@@ -405,7 +406,7 @@ class FeedForward(nn.Module):
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, visible_keys: VisibleKeys | None,
-    keys_in_order: bool = False, split: int | None = None,
+    keys_in_order: bool = False, split: int | None = None, first: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of q, k, v [bc, m, h, dh] over the keys ``key_mask`` [bc, 1, 1, m] lets through (None = all);
     returns [bc, m, h*dh]. With ``visible_keys`` (the same mask, reordered) the variable-length kernel runs
@@ -415,10 +416,13 @@ def attend(
     With ``split`` it returns the first ``split`` positions and the rest as two parts, [bc, split, h*dh] and
     [bc, m - split, h*dh]; the hand-written kernel writes each part contiguous, so that each goes into its own
     output projection as one plain matrix (a strided part costs the audio stream's projection a slower product
-    and a separate bias add: bench/RESULTS.md)."""
+    and a separate bias add: bench/RESULTS.md).
+
+    With ``first`` only the queries from position ``first`` on are attended, over the same keys: [bc, m - first,
+    h*dh]. SDPA and the hand-written kernel compute only those; FlashAttention's attends every query."""
     bc, m, h, dh = q.shape
     if visible_keys is None:
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bc, h, m, dh] views
+        q, k, v = (t.transpose(1, 2) for t in (q[:, first:], k, v))  # [bc, h, m, dh] views
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
     else:
         if not keys_in_order:
@@ -429,8 +433,11 @@ def attend(
         if visible_keys.kernel and split is not None:  # the two parts, each written in one piece
             out = varlen_attention_kernel.varlen_attention(q, k, v, starts, count, m, split=split)
             return out[: bc * split].view(bc, split, h * dh), out[bc * split :].view(bc, m - split, h * dh)
+        if visible_keys.kernel and first:
+            out = varlen_attention_kernel.varlen_attention(q, k, v, starts, count, m, first=first)
+            return out.view(bc, m - first, h * dh)
         kernel = varlen_attention_kernel.varlen_attention if visible_keys.kernel else varlen_attention
-        out = kernel(q, k, v, starts, count, m).reshape(bc, m, h * dh)
+        out = kernel(q, k, v, starts, count, m).reshape(bc, m, h * dh)[:, first:]
     return out if split is None else (out[:, :split], out[:, split:])
 
 
@@ -480,10 +487,11 @@ class Attention(nn.Module):
         streams: list[tuple[Tensor, nn.RMSNorm, nn.RMSNorm, Rope]],
         key_mask: Tensor | None,
         visible_keys: VisibleKeys | None,
+        first: int = 0,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attention over the (qkv, q_norm, k_norm, rope) streams joined along the sequence, their q, k, v made by
         the attention-inputs kernel (k and v straight into ``visible_keys``' order): [bc, sum m, h*dh], or with
-        two streams the output of each ([bc, m_i, h*dh], see ``attend``'s ``split``)."""
+        two streams the output of each ([bc, m_i, h*dh], see ``attend``'s ``split``); ``first`` as ``attend``'s."""
         eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(torch.float32).eps  # torch's default
         slot = None if visible_keys is None else visible_keys.slot
         q, k, v = attention_inputs(
@@ -491,15 +499,16 @@ class Attention(nn.Module):
             self.heads, eps, slot,
         )
         split = streams[0][0].shape[1] if len(streams) == 2 else None
-        return attend(q, k, v, key_mask, visible_keys, keys_in_order=True, split=split)
+        return attend(q, k, v, key_mask, visible_keys, keys_in_order=True, split=split, first=first)
 
-    def attend_qkv(self, qkv: Tensor, layout: SingleLayout) -> Tensor:
-        """The attention from the qkv projection [bc, m, 3*h*dh] to the output projection's input [bc, m, h*dh]."""
+    def attend_qkv(self, qkv: Tensor, layout: SingleLayout, first: int = 0) -> Tensor:
+        """The attention from the qkv projection [bc, m, 3*h*dh] to the output projection's input [bc, m, h*dh];
+        ``first``: only the queries from that position on, [bc, m - first, h*dh] (keys from every position)."""
         if layout.inputs_kernel:
             return self._fused_attention([(qkv, self.q_norm, self.k_norm, layout.rope)], layout.key_mask,
-                                         layout.visible_keys)
+                                         layout.visible_keys, first)
         q, k, v = self._project(qkv, self.q_norm, self.k_norm, layout.rope)
-        return attend(q, k, v, layout.key_mask, layout.visible_keys)
+        return attend(q, k, v, layout.key_mask, layout.visible_keys, first=first)
 
 
 class JointAttention(Attention):
@@ -549,7 +558,7 @@ class BlockPhases:
     phases on a second CUDA stream, beside the audio stream's (``AuKDiT.text_stream``)."""
 
     inputs: Callable[..., Tensor] = block_inputs
-    attention: Callable[..., Tensor] = Attention.attend_qkv  # (attn, qkv, layout)
+    attention: Callable[..., Tensor] = Attention.attend_qkv  # (attn, qkv, layout, first)
     joint_attention: Callable[..., tuple[Tensor, Tensor]] = JointAttention.attend_streams  # (attn, qkv, qkv_c, layout)
     outputs: Callable[..., Tensor] = block_outputs
 
@@ -613,13 +622,24 @@ class SingleStreamBlock(nn.Module):
         self.ff = FeedForward(config.dim, config.ff_inner_dim)
 
     def forward(
-        self, h: Tensor, modulation: Tensor, layout: SingleLayout, phases: BlockPhases = PLAIN_PHASES
+        self, h: Tensor, modulation: Tensor, layout: SingleLayout, phases: BlockPhases = PLAIN_PHASES,
+        target: int | None = None,
     ) -> Tensor:  # modulation [r, 6d]
+        """``target``: only the last ``target`` positions come out, [bc, target, d], their queries over the keys
+        and values of every position. The DiT's last block runs so: only the target is projected to latents, so
+        the rest of its queries, output projection and feed-forward would be thrown away."""
         shift, scale, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(modulation)
         attn, kernel = self.attn, layout.norm_kernel
         qkv = phases.inputs(h, shift, scale, attn.to_qkv, kernel)
-        out = phases.attention(attn, qkv, layout)
-        return phases.outputs(h, out, attn.to_out[0], gate, layout.keep, shift_ff, scale_ff, self.ff, gate_ff, kernel)
+        keep = layout.keep
+        if target is None:
+            out = phases.attention(attn, qkv, layout)
+        else:
+            first = h.shape[1] - target
+            out = phases.attention(attn, qkv, layout, first)
+            # Contiguous, as every other block's input: the compiled phase then serves this block as well.
+            h, keep = h[:, first:].contiguous(), layout.target_keep
+        return phases.outputs(h, out, attn.to_out[0], gate, keep, shift_ff, scale_ff, self.ff, gate_ff, kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -817,6 +837,7 @@ class AuKDiT(nn.Module):
             key_mask=_to_device(single_mask, device),
             visible_keys=_visible_keys(single_mask, varlen, attention_kernel, device),
             keep=_to_device(_keep(torch.cat((text_valid, audio_valid), dim=1)), device),
+            target_keep=_to_device(_keep(target_present), device),
             inputs_kernel=inputs_kernel,
             norm_kernel=norm_kernel,
         )
@@ -881,8 +902,10 @@ class AuKDiT(nn.Module):
         for block in self.transformer_blocks:
             audio, text = block(audio, text, (next(rows), next(rows)), ctx.joint, self.phases, self.text_stream)
         h = torch.cat((text, audio), dim=1)  # [bc, ns, d]
-        for block in self.single_transformer_blocks:
+        *blocks, last = self.single_transformer_blocks or [None]
+        for block in blocks:
             h = block(h, next(rows), ctx.single, self.phases)
-
-        h = h[:, -ctx.target_len :]  # [bc, n, d]: the target is the last n positions
+        # Only the target, the last n positions, is projected to latents: the last block computes only those.
+        n = ctx.target_len
+        h = h[:, -n:] if last is None else last(h, next(rows), ctx.single, self.phases, target=n)  # [bc, n, d]
         return self.proj_out(self.norm_out(h, next(rows), ctx.single.norm_kernel))  # [bc, n, l]

@@ -61,12 +61,13 @@ def available(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
 
 
 def varlen_attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, *, split: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, *, split: int | None = None,
+    first: int = 0,
 ) -> Tensor:
     """The kernel's contract in torch, in fp32 with one rounding to q's dtype: for each row i (positions
     ``starts[i]:starts[i + 1]`` of q, k, v [total, h, dh]), softmax(q kᵀ / sqrt(dh)) v over the row's first
     ``count[i]`` keys; zeros where count[i] is 0. Returns [total, h, dh], its parts laid out as ``varlen_attention``
-    lays them out for a ``split``. For tests (it syncs with the host)."""
+    lays them out for a ``split``, or each row's queries from ``first`` on. For tests (it syncs with the host)."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     bounds, counts = starts.tolist(), count.tolist()
     for i, visible in enumerate(counts):
@@ -79,9 +80,11 @@ def varlen_attention_reference(
         rq, rk, rv = (t[begin:end].float().transpose(0, 1) for t in (q, k, v))  # [h, length, dh]
         weights = torch.softmax(rq @ rk[:, :visible].transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
         out[begin:end] = (weights @ rv[:, :visible]).transpose(0, 1)
+    by_row = out.view(len(counts), m, *out.shape[1:]) if split is not None or first else None
     if split is not None:
-        by_row = out.view(len(counts), m, *out.shape[1:])
         out = torch.cat((by_row[:, :split].flatten(0, 1), by_row[:, split:].flatten(0, 1)))
+    elif first:
+        out = by_row[:, first:].flatten(0, 1)
     return out.to(q.dtype)
 
 
@@ -115,9 +118,9 @@ if triton is not None:
     @triton.jit
     def _varlen_attention_kernel(
         q_ptr, k_ptr, v_ptr, starts_ptr, count_ptr, out_ptr,
-        q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride, split,
+        q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride, split, first,
         HEADS: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, FIRST: tl.constexpr,
     ):
         # The scale is a compile-time constant: inductor passes a float argument as fp64, which would carry the
         # whole softmax into fp64.
@@ -127,7 +130,7 @@ if triton is not None:
         length = tl.load(starts_ptr + row + 1) - start
         keys = tl.maximum(tl.minimum(tl.load(count_ptr + row), length), 0)
         start = start.to(tl.int64)
-        i = block * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions in the row
+        i = first + block * BLOCK_M + tl.arange(0, BLOCK_M)  # query positions in the row
         j = tl.arange(0, BLOCK_N)  # key positions in a block
         d = tl.arange(0, DH)
         queries = (i < length)[:, None]  # the last block's positions past the row are neither read nor written
@@ -154,30 +157,33 @@ if triton is not None:
         if SPLIT:  # rows of one length: every row's first ``split`` positions first, then every row's rest
             rows = tl.num_programs(2)
             at = tl.where(i < split, row * split + i, rows * split + row * (length - split) + i - split).to(tl.int64)
+        elif FIRST:  # rows of one length, each its queries from ``first`` on
+            at = (row * (length - first) + i - first).to(tl.int64)
         out_at = at[:, None] * (HEADS * DH) + head * DH + d[None, :]
         tl.store(out_ptr + out_at, out.to(out_ptr.dtype.element_ty), mask=queries)
 
     @torch.library.triton_op("auk::varlen_attention", mutates_args=())
     def _varlen_attention(
-        q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, split: int, block_m: int,
-        block_n: int, warps: int, stages: int,
+        q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, split: int, first: int,
+        block_m: int, block_n: int, warps: int, stages: int,
     ) -> Tensor:
         total, heads, dim_head = q.shape
-        out = q.new_empty(total, heads, dim_head)
+        rows = count.shape[0]
+        out = q.new_empty(total - rows * first, heads, dim_head)
         qk_scale = math.log2(math.e) / math.sqrt(dim_head)  # exp(x / sqrt(dh)) = exp2(x * qk_scale)
-        grid = (triton.cdiv(m, block_m), heads, count.shape[0])
+        grid = (triton.cdiv(m - first, block_m), heads, rows)
         torch.library.wrap_triton(_varlen_attention_kernel)[grid](
             q, k, v, starts, count, out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), split, first,
             HEADS=heads, DH=dim_head, BLOCK_M=block_m, BLOCK_N=block_n, QK_SCALE=qk_scale, SPLIT=split < m,
-            num_warps=warps, num_stages=stages,
+            FIRST=first > 0, num_warps=warps, num_stages=stages,
         )
         return out
 
 
 def varlen_attention(
     q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int, *, split: int | None = None,
-    launch: Launch | None = None,
+    first: int = 0, launch: Launch | None = None,
 ) -> Tensor:
     """Attention over rows packed as q, k, v [total, h, dh] (any strides with unit channel stride), as
     ``dit.flash_varlen_attention``: row i is positions ``starts[i]:starts[i + 1]`` (``starts`` [rows + 1] int32,
@@ -186,8 +192,11 @@ def varlen_attention(
 
     ``split`` (0 < split < m) is for rows all m long (starts[i] = i * m): the output then holds every row's first
     ``split`` positions, row after row, and after them every row's other m - split: two parts, each contiguous (a
-    joint attention's audio and text outputs, each the input of its own projection). ``launch``: (BLOCK_M,
-    BLOCK_N, warps, stages) instead of ``launch_settings()``. Runs the kernel (``available``)."""
+    joint attention's audio and text outputs, each the input of its own projection). ``first`` (0 < first < m,
+    rows all m long, no ``split``): only each row's queries from position ``first`` on, the output
+    [rows * (m - first), h, dh], while the keys stay every row's first ``count``: the DiT's last block, whose
+    outputs are kept only at the target. ``launch``: (BLOCK_M, BLOCK_N, warps, stages) instead of
+    ``launch_settings()``. Runs the kernel (``available``)."""
     if triton is None:
         raise RuntimeError("the variable-length attention kernel needs Triton")
     dim_head = q.shape[-1]
@@ -197,5 +206,9 @@ def varlen_attention(
         raise ValueError(f"the head width must be a power of two of at least 16, got {dim_head}")
     if split is not None and not (0 < split < m and q.shape[0] == (starts.shape[0] - 1) * m):
         raise ValueError(f"split {split} needs rows of m = {m} positions and 0 < split < m")
+    if first and not (0 < first < m and split is None and q.shape[0] == (starts.shape[0] - 1) * m):
+        raise ValueError(f"first {first} needs rows of m = {m} positions, 0 < first < m and no split")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _varlen_attention(q, k, v, starts, count, m, m if split is None else split, *(launch or launch_settings()))
+    return _varlen_attention(
+        q, k, v, starts, count, m, m if split is None else split, first, *(launch or launch_settings())
+    )
