@@ -742,3 +742,36 @@ def test_compiled_blocks_serve_every_layout_a_worker_meets() -> None:
                 want = plain(x, 0.3, plain.prepare(text, *args, cfg=cfg))
                 got = compiled(x, 0.3, compiled.prepare(text, *args, cfg=cfg))
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compiled_blocks_trace_the_norm_kernels_wrappers_whole(monkeypatch) -> None:
+    """With the modulated-norm kernel (its two ops swapped for their references: no kernel runs on the CPU) and the
+    modulation shared by every row, as the step graphs pass it, the phases compiled by inductor trace the wrappers'
+    shape checks with ``fullgraph`` and give the uncompiled blocks' velocity. (With the blocks' phases arranged
+    otherwise, dynamo judged a torch.Size ``in`` a tuple of shapes wrongly there, and the check raised; with the
+    eager backend it did not: bench/RESULTS.md, the deferred residual.)"""
+    from auk_worker.accel import compile_dit_blocks
+    from auk_worker.model import modulated_norm_kernel
+
+    monkeypatch.setattr(modulated_norm_kernel, "_modulated_norm",
+                        lambda x, shift, scale, stride, eps: modulated_norm_reference(x, shift, scale, eps))
+    monkeypatch.setattr(modulated_norm_kernel, "_gated_residual_norm",
+                        lambda x, y, gate, keep, shift, scale, stride, eps: gated_residual_norm_reference(
+                            x, y, gate, keep, shift, scale, eps))  # fmt: skip
+    plain, compiled = make_model(seed=3), make_model(seed=3)
+    plain.norm_kernel = compiled.norm_kernel = True
+    torch._dynamo.reset()
+    compile_dit_blocks(compiled)
+    text, ref, x, lens, n, _ = padded_rows(seed=91)
+    layouts = [  # a single request without a reference (nothing masked), and a padded batch with references
+        (text[:1], lens["nt"][:1], None, None, None, n, None, x[:1]),
+        (text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], x),
+    ]
+    modulation = plain.modulation(torch.tensor([0.4]))  # [1, width]: one row for every context row
+    with torch.no_grad():
+        (alone, batch), (alone_compiled, batch_compiled) = (
+            [model(noisy, 0.4, model.prepare(*args, cfg=True), modulation=modulation) for *args, noisy in layouts]
+            for model in (plain, compiled)
+        )
+    torch.testing.assert_close(alone_compiled, alone, rtol=0, atol=1e-5)  # inductor's fp32 sums in its own order
+    assert_valid_frames_close(batch_compiled, batch)

@@ -133,7 +133,10 @@ def _check(x: Tensor, *chunks: Tensor) -> None:
         raise RuntimeError("the modulated-norm kernel needs Triton")
     bc, _, dim = x.shape
     for chunk in chunks:
-        if chunk.shape not in ((1, 1, dim), (bc, 1, dim)):
+        # Dimension by dimension: in a phase compiled by inductor, dynamo (torch 2.11 and 2.13) once judged a
+        # torch.Size `in` a tuple of shapes wrongly, and this raised inside a step graph's capture.
+        rows = chunk.shape[0] if chunk.dim() == 3 else -1
+        if (rows != 1 and rows != bc) or chunk.shape[1:] != (1, dim):
             raise ValueError(f"modulation chunks must be [1 or {bc}, 1, {dim}], got {tuple(chunk.shape)}")
 
 
