@@ -422,7 +422,7 @@ def attend(
     h*dh]. SDPA and the hand-written kernel compute only those; FlashAttention's attends every query."""
     bc, m, h, dh = q.shape
     if visible_keys is None:
-        q, k, v = (t.transpose(1, 2) for t in (q[:, first:], k, v))  # [bc, h, m, dh] views
+        q, k, v = (t.transpose(1, 2) for t in (q[:, first:], k, v))  # [bc, h, m (q: m - first), dh] views
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).flatten(2)
     else:
         if not keys_in_order:
