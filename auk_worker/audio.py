@@ -56,12 +56,17 @@ def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float =
     return AudioClip(samples=mono, sample_rate=int(sample_rate))  # both forms are new contiguous arrays
 
 
+def resampled_length(samples: int, from_rate: int, to_rate: int) -> int:
+    """How many samples ``resample`` returns for a clip of ``samples``: ceil(samples * to / from)."""
+    return -(-samples * to_rate // from_rate)
+
+
 def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """soxr HQ resampling of a mono clip, padded or trimmed to ceil(len * to / from) samples."""
+    """soxr HQ resampling of a mono clip, padded or trimmed to ``resampled_length`` samples."""
     if from_rate == to_rate:
         return samples.astype(np.float32, copy=False)
     out = soxr.resample(samples, from_rate, to_rate, quality="HQ").astype(np.float32, copy=False)
-    want = -(-len(samples) * to_rate // from_rate)
+    want = resampled_length(len(samples), from_rate, to_rate)
     if len(out) < want:
         out = np.pad(out, (0, want - len(out)))
     return out[:want]

@@ -33,7 +33,7 @@ from auk_worker.accel import (
     StepGraphs,
     cublas_without_workspace,
 )
-from auk_worker.audio import THINKER_SAMPLE_RATE, resample, validate_clip
+from auk_worker.audio import THINKER_SAMPLE_RATE, resample, resampled_length, validate_clip
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, OutOfMemory
@@ -423,8 +423,14 @@ class AuKPipeline:
             # Drawn here, while the resampling thread may still be at work.
             noise = initial_noise(frames, self.release.dit.latent_dim, make_generator(schedule.seed, self.device))
             started = self._mark()
+            # The prompt's tokens need only the clip's length at 16 kHz: the host makes them while it waits.
+            samples_16k = None
+            if request.audio is not None:
+                clip = request.audio
+                samples_16k = resampled_length(len(clip.samples), clip.sample_rate, THINKER_SAMPLE_RATE)
+            input_ids = self.encoder.processor.input_ids(request.instruction, samples_16k)
             audio_16k = None if pending_16k is None else pending_16k.result()
-            embeds = self.encoder.embed(request.instruction, audio_16k)  # [nt, dt]
+            embeds = self.encoder.embed(request.instruction, audio_16k, input_ids)  # [nt, dt]
             timings["encode"] = [_Span(started, self._mark())]
         return _Job(
             index=index,

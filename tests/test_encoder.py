@@ -20,6 +20,7 @@ from auk_worker.model.encoder import (
     PromptProcessor,
     ThinkerEncoder,
     fuse_hidden_states,
+    fuse_linears,
     render_prompt,
     thinker_layer,
     written_out_supported,
@@ -133,6 +134,10 @@ def test_audio_placeholder_expands_to_one_token_per_audio_embedding(processor, s
     assert ids.count(processor.audio_token_id) == tokens
     decoded = processor.tokenizer.decode(ids, skip_special_tokens=False)
     assert decoded == render_prompt(INSTRUCTION, True).replace("<|AUDIO|>", "<|AUDIO|>" * tokens)
+    # The tokens a render makes ahead, from the clip's length alone, while the clip is still being resampled.
+    ahead = processor.input_ids(INSTRUCTION, audio.size)
+    assert torch.equal(ahead, batch["input_ids"])
+    assert torch.equal(processor(INSTRUCTION, audio, input_ids=ahead)["input_ids"], ahead)
 
 
 def test_features_equal_the_processor_full_window_padding(processor):
@@ -418,6 +423,30 @@ def test_written_out_layers_give_the_transformers_thinker_condition(encoder, pro
             expected = fuse_hidden_states(hidden, *fusion)
             condition, _ = encoder.encode(INSTRUCTION, audio)
         torch.testing.assert_close(condition, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_linears_compute_each_projection_and_hold_its_weights_once():
+    """Projections of one input (widths 5, 3, 2; the middle one without a bias) stacked into one product: its
+    output splits into the three projections' outputs, and each module's weight and bias are now views of the
+    stacked ones, so its state dict and its own forward are what they were."""
+    torch.manual_seed(0)
+    projections = [torch.nn.Linear(8, 5), torch.nn.Linear(8, 3, bias=False), torch.nn.Linear(8, 2)]
+    states = [{k: v.clone() for k, v in p.state_dict().items()} for p in projections]
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        expected = [p(x) for p in projections]
+        fused = fuse_linears(projections)
+        parts = fused(x).split([5, 3, 2], dim=-1)
+        for proj, state, part, before in zip(projections, states, parts, expected):
+            torch.testing.assert_close(part, before, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(proj(x), before, rtol=0, atol=0)
+            assert proj.state_dict().keys() == state.keys()
+            for key, value in proj.state_dict().items():
+                assert torch.equal(value, state[key]), key
+            assert proj.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+    torch.testing.assert_close(fused.bias[5:8], torch.zeros(3))  # the missing bias adds nothing
+    no_bias = fuse_linears([torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4, bias=False)])
+    assert no_bias.bias is None and no_bias.weight.shape == (8, 8)
 
 
 def test_transformers_text_model_stands_in_where_the_layers_do_not_apply(encoder, processor):

@@ -15,9 +15,9 @@ shapes follow the clip. ``AudioTowerRunner`` computes the same thing over zero-p
 - ``prepare``: the clip's frames zero-padded to [c, m, w] and each chunk's frame count [c], on the device.
 - ``core``: fixed shapes for a chunk count, no host syncs. One SDPA call per layer over [c, h, t, dh] with an
   additive key mask built once from the chunk frame counts, so the last chunk's padded tokens are never keys; q, k
-  and v come from one product over the layer's fused projection weights (``_fused_qkv``). Only the last chunk
-  has padding, so the valid tokens are a prefix of the flattened [c * t] sequence: pairing that sequence is the
-  reference's per-clip pooling, and the valid output rows are the first na.
+  and v come from one product over the layer's stacked projection weights (``encoder.fuse_linears``). Only the
+  last chunk has padding, so the valid tokens are a prefix of the flattened [c * t] sequence: pairing that
+  sequence is the reference's per-clip pooling, and the valid output rows are the first na.
 ``AudioTowerGraphs`` replays ``core`` from one CUDA graph per chunk count (eager off CUDA).
 
 The runner shares the tower's modules (no weight copies) and holds no state between calls.
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from auk_worker.cuda_graph import capture_graph
 from auk_worker.errors import AudioError
-from auk_worker.model.encoder import audio_token_count
+from auk_worker.model.encoder import audio_token_count, fuse_linears
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ChunkPlan:
 
 def _encoder_layer(layer: nn.Module, qkv: nn.Linear, x: Tensor, key_bias: Tensor, heads: int) -> Tensor:
     """One pre-norm encoder layer over whole chunks: [c, t, d] -> [c, t, d]. ``qkv`` is the layer's three
-    projections as one (``_fused_qkv``); ``key_bias`` [c, 1, 1, t] is 0 for a chunk's valid keys, -inf past them."""
+    projections as one (``fuse_linears``); ``key_bias`` [c, 1, 1, t] is 0 for a chunk's valid keys, -inf past them."""
     attn = layer.self_attn
     c, t, d = x.shape
     q, k, v = qkv(layer.self_attn_layer_norm(x)).view(c, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)  # views
@@ -77,25 +77,6 @@ def _encoder_layer(layer: nn.Module, qkv: nn.Linear, x: Tensor, key_bias: Tensor
     return x
 
 
-def _fused_qkv(attn: nn.Module) -> nn.Linear:
-    """The q, k and v projections as one [3d, d] product (k's missing bias as zeros). The three modules' weights
-    become views of the fused ones, so the tower holds each weight once and its state dict is unchanged; build
-    the runner after the weights are final (a later ``.to`` would copy them apart)."""
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    weight = torch.cat([proj.weight.detach() for proj in projections])  # [3d, d]
-    bias = torch.cat([
-        torch.zeros_like(proj.weight[:, 0]) if proj.bias is None else proj.bias.detach() for proj in projections
-    ])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
-    fused.weight, fused.bias = nn.Parameter(weight, requires_grad=False), nn.Parameter(bias, requires_grad=False)
-    d = weight.shape[0] // 3
-    for i, proj in enumerate(projections):
-        proj.weight = nn.Parameter(weight[i * d : (i + 1) * d], requires_grad=False)
-        if proj.bias is not None:
-            proj.bias = nn.Parameter(bias[i * d : (i + 1) * d], requires_grad=False)
-    return fused
-
-
 class AudioTowerRunner:
     """The audio tower over one clip as batched whole-chunk ops: (features [1, m, f], mask [1, f]) -> [na, do].
 
@@ -106,7 +87,8 @@ class AudioTowerRunner:
         self.n_window = tower.config.n_window
         self.heads = tower.config.encoder_attention_heads
         self.num_mel_bins = tower.config.num_mel_bins
-        self.qkv = [_fused_qkv(layer.self_attn) for layer in tower.layers]
+        self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in tower.layers]
         self.layer = _encoder_layer  # compile_layers() swaps in its compiled form
 
     def compile_layers(self) -> None:

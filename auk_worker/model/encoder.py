@@ -190,23 +190,46 @@ class PromptProcessor:
         return cls(tokenizer, feature_extractor, spec.audio_token_id)
 
     def __call__(
-        self, instruction: str, audio_16k: np.ndarray | None, device: torch.device | str = "cpu"
+        self,
+        instruction: str,
+        audio_16k: np.ndarray | None,
+        device: torch.device | str = "cpu",
+        input_ids: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """The thinker's inputs: ``input_ids`` and ``attention_mask`` on the host, and with a clip its
-        ``input_features`` on ``device`` and their ``feature_attention_mask`` on the host."""
-        for token in self.reserved_tokens:
-            if token in instruction:
-                raise InputError(f"instruction contains the reserved token {token!r}")
-        text = render_prompt(instruction, has_audio=audio_16k is not None)
+        ``input_features`` on ``device`` and their ``feature_attention_mask`` on the host. ``input_ids``: the
+        prompt's tokens where the caller made them ahead (``input_ids``); the clip's features are launched first
+        otherwise, so the GPU computes them while the host tokenizes."""
+        self._check_instruction(instruction)
         batch: dict[str, Tensor] = {}
         if audio_16k is not None:
             features, feature_mask = self.audio_features(audio_16k, device)
-            num_tokens = audio_token_count(int(feature_mask.sum()))
-            text = text.replace(AUDIO_PLACEHOLDER, AUDIO_PLACEHOLDER * num_tokens)
             batch.update(input_features=features, feature_attention_mask=feature_mask)
-        tokens = self.tokenizer(text, return_tensors="pt")
-        batch.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        if input_ids is None:
+            input_ids = self.input_ids(instruction, None if audio_16k is None else len(audio_16k))
+        batch.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
         return batch
+
+    def input_ids(self, instruction: str, clip_samples: int | None) -> Tensor:
+        """The prompt's token ids [1, nt] on the host, for a clip of ``clip_samples`` at 16 kHz (None: no clip).
+        The clip's length alone sets its audio token count, so a render tokenizes while the clip is resampled."""
+        self._check_instruction(instruction)
+        text = render_prompt(instruction, has_audio=clip_samples is not None)
+        if clip_samples is not None:
+            num_tokens = audio_token_count(self.audio_frames(clip_samples))
+            text = text.replace(AUDIO_PLACEHOLDER, AUDIO_PLACEHOLDER * num_tokens)
+        return self.tokenizer(text, return_tensors="pt")["input_ids"]
+
+    def _check_instruction(self, instruction: str) -> None:
+        for token in self.reserved_tokens:
+            if token in instruction:
+                raise InputError(f"instruction contains the reserved token {token!r}")
+
+    def audio_frames(self, clip_samples: int) -> int:
+        """The mel frames the extractor's attention mask keeps for a clip: one per hop begun, of at most the
+        extractor's window."""
+        extractor = self.feature_extractor
+        return -(-min(clip_samples, extractor.n_samples) // extractor.hop_length)
 
     def audio_features(self, audio_16k: np.ndarray, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
         """Log-mel features of the clip's frames, [1, m, f] on ``device``, and their (all-ones) mask, [1, f] on
@@ -223,7 +246,7 @@ class PromptProcessor:
             audio = audio[: extractor.n_samples]
         # n_fft samples of silence past the clip cover every window that touches it (see the class docstring).
         padded = min(extractor.n_samples, -(-(audio.size + n_fft) // hop) * hop)
-        frames = -(-audio.size // hop)  # the frames the extractor's attention mask keeps: one per hop begun
+        frames = self.audio_frames(audio.size)
         device = torch.device(device)
         if self.log_mel_graphs is not None and device == self.log_mel_graphs.device:
             log_mel = self.log_mel_graphs.log_mel(audio, padded)  # [m, >= padded / hop]
@@ -407,26 +430,74 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [b, heads, nt, 
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def fuse_linears(projections: Sequence[nn.Linear]) -> nn.Linear:
+    """Linears that read the same input as one product: their weights stacked along the output ([sum o_i, i]),
+    a missing bias as zeros (no bias at all where none has one). Each module's weight and bias become views of the
+    stacked ones, so the weights are held once and the state dict is unchanged; call this once the weights are
+    final (a later ``.to`` would copy them apart). The outputs split back by the modules' widths."""
+    weight = torch.cat([proj.weight.detach() for proj in projections])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if any(proj.bias is not None for proj in projections):
+        bias = torch.cat([
+            torch.zeros_like(proj.weight[:, 0]) if proj.bias is None else proj.bias.detach() for proj in projections
+        ])
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for proj in projections:
+        end = start + proj.weight.shape[0]
+        proj.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if proj.bias is not None:
+            proj.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+        start = end
+    return fused
+
+
+@dataclass(frozen=True)
+class LayerProducts:
+    """A decoder layer's projections that read the same input, each group as one product (``fuse_linears``): q, k
+    and v after the first norm, the feed-forward's gate and up after the second."""
+
+    qkv: nn.Linear
+    gate_up: nn.Linear
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerProducts:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]), fuse_linears([mlp.gate_proj, mlp.up_proj]))
+
+
 def thinker_layer(
-    layer: nn.Module, h: Tensor, fused: Tensor, weight: Tensor, cos: Tensor, sin: Tensor
+    layer: nn.Module,
+    qkv: nn.Linear,
+    gate_up: nn.Linear,
+    h: Tensor,
+    fused: Tensor,
+    weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """One decoder layer over right-padded prompts, h [b, nt, d] -> [b, nt, d], and the fusion of the state it
     reads: ``fused + weight * LN(h)`` in fp32 (a weight of 0 adds exactly nothing, for the embeddings).
 
     The arithmetic is transformers' (RMSNorm rounding, rotary in the model dtype, causal SDPA with grouped
-    key-value heads); attention is causal, so padding after a prompt never reaches its positions. One function for
-    every layer (weights are arguments), so ``torch.compile`` builds it once for all of them."""
+    key-value heads); attention is causal, so padding after a prompt never reaches its positions. q, k and v come
+    from one product, the gate and up projections from another (the layer's ``LayerProducts``): the same dot
+    products, two launches where there were five. One function for every layer (weights are arguments, modules
+    passed as such), so ``torch.compile`` builds it once for all of them."""
     attn, mlp = layer.self_attn, layer.mlp
     b, nt, _ = h.shape
     dh = attn.head_dim
     fused = fused + weight * F.layer_norm(h.float(), (h.shape[-1],), eps=FUSION_LN_EPS)
     x = _rms_norm(h, layer.input_layernorm)
-    q, k, v = (proj(x).view(b, nt, -1, dh).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    widths = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0])
+    q, k, v = (part.view(b, nt, -1, dh).transpose(1, 2) for part in qkv(x).split(widths, dim=-1))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
     h = h + attn.o_proj(out.transpose(1, 2).reshape(b, nt, -1))
     x = _rms_norm(h, layer.post_attention_layernorm)
-    h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    h = h + mlp.down_proj(mlp.act_fn(gate) * up)
     return h, fused
 
 
@@ -531,6 +602,7 @@ class ThinkerEncoder:
         # None: the text model runs as written-out layers (thinker_layer); otherwise why transformers' own runs.
         self.fallback = written_out_supported(trunk.model.config)
         self.layer = thinker_layer  # compile_layers() swaps in its compiled form
+        self.products = [LayerProducts.of(layer) for layer in trunk.model.layers] if self.fallback is None else []
         weights = torch.softmax(self.layer_weights.flatten(), dim=0)  # [k]
         # Layer i's call fuses the state it reads (layer i-1's output, weight i-1); the embeddings get weight 0.
         self._read_weights = (torch.zeros((), device=self.device), *weights[:-1])
@@ -579,11 +651,11 @@ class ThinkerEncoder:
         return condition[None], torch.ones(condition.shape[:1], dtype=torch.bool, device=self.device)[None]
 
     @torch.inference_mode()
-    def embed(self, instruction: str, audio_16k: np.ndarray | None) -> Tensor:
-        """The prompt's input embeddings [nt, d]: the processor (the tokenizer on the host, a clip's log-mel
-        features on the encoder's device), the audio tower, the token lookup. Bad input raises here, before any
-        prompt joins a batch."""
-        batch = self.processor(instruction, audio_16k, self.device)  # the features on the device, the rest on the host
+    def embed(self, instruction: str, audio_16k: np.ndarray | None, input_ids: Tensor | None = None) -> Tensor:
+        """The prompt's input embeddings [nt, d]: the processor (the tokenizer on the host, unless ``input_ids``
+        holds the prompt's tokens already; a clip's log-mel features on the encoder's device), the audio tower,
+        the token lookup. Bad input raises here, before any prompt joins a batch."""
+        batch = self.processor(instruction, audio_16k, self.device, input_ids)  # features on the device, ids on host
         embeds = self.trunk.embed(batch["input_ids"], batch.get("input_features"), batch.get("feature_attention_mask"))
         return embeds[0]
 
@@ -611,8 +683,8 @@ class ThinkerEncoder:
             return fuse_hidden_states(hidden_states, self.layer_weights, self.layer_scale)
         cos, sin = rotary_tables(model.rotary_emb, embeds.shape[1], embeds.dtype)
         h, fused = embeds, torch.zeros(embeds.shape, dtype=torch.float32, device=embeds.device)
-        for layer, weight in zip(model.layers, self._read_weights):
-            h, fused = self.layer(layer, h, fused, weight, cos, sin)
+        for layer, products, weight in zip(model.layers, self.products, self._read_weights):
+            h, fused = self.layer(layer, products.qkv, products.gate_up, h, fused, weight, cos, sin)
         # The last state the fusion reads is the final-normed one, as in transformers' hidden_states.
         fused = fused + self._last_weight * F.layer_norm(model.norm(h).float(), (h.shape[-1],), eps=FUSION_LN_EPS)
         return fused * self.layer_scale.reshape(())
