@@ -103,12 +103,8 @@ class AudioTowerRunner:
 
     def compile_layers(self) -> None:
         """``torch.compile`` the encoder layer: one compilation serves every layer and chunk count (one more for a
-        single chunk); its norms, residual adds and activations run as fused kernels. Without split reductions:
-        compiled for an unknown row count, inductor otherwise splits each layer norm of the few hundred rows into
-        three kernels."""
-        self.layer = torch.compile(
-            _encoder_layer, fullgraph=True, dynamic=True, options={"split_reductions": False}
-        )
+        single chunk); its norms, residual adds and activations run as fused kernels."""
+        self.layer = torch.compile(_encoder_layer, fullgraph=True, dynamic=True)
 
     @property
     def device(self) -> torch.device:
