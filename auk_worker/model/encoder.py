@@ -198,8 +198,8 @@ class PromptProcessor:
     ) -> dict[str, Tensor]:
         """The thinker's inputs: ``input_ids`` and ``attention_mask`` on the host, and with a clip its
         ``input_features`` on ``device`` and their ``feature_attention_mask`` on the host. ``input_ids``: the
-        prompt's tokens where the caller made them ahead (``input_ids``); the clip's features are launched first
-        otherwise, so the GPU computes them while the host tokenizes."""
+        prompt's tokens where the caller made them ahead (the method below); without them the clip's features are
+        launched first, so that the GPU computes them while the host tokenizes."""
         self._check_instruction(instruction)
         batch: dict[str, Tensor] = {}
         if audio_16k is not None:
