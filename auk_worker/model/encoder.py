@@ -602,6 +602,7 @@ class ThinkerEncoder:
         # None: the text model runs as written-out layers (thinker_layer); otherwise why transformers' own runs.
         self.fallback = written_out_supported(trunk.model.config)
         self.layer = thinker_layer  # compile_layers() swaps in its compiled form
+        # The written-out layers' stacked products; the trunk's q/k/v and gate/up weights become views of them.
         self.products = [LayerProducts.of(layer) for layer in trunk.model.layers] if self.fallback is None else []
         weights = torch.softmax(self.layer_weights.flatten(), dim=0)  # [k]
         # Layer i's call fuses the state it reads (layer i-1's output, weight i-1); the embeddings get weight 0.
