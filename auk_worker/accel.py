@@ -319,7 +319,10 @@ class EncodeGraphs:
 
             def run() -> Tensor:
                 with torch.autocast(device_type="cuda", enabled=False):
-                    return self.vae.audio_encoder(static_wav[:, None, :].to(self.vae.dtype), static_len)
+                    # A clip in this bucket leaves fewer than bucket_samples of padding.
+                    return self.vae.audio_encoder(
+                        static_wav[:, None, :].to(self.vae.dtype), static_len, self.bucket_samples
+                    )
 
             graph, static_stats = capture_graph(run, device, self.pool)  # [1, 2d, frames of the bucket]
             self.graphs[bucket] = (graph, static_wav, static_len, static_stats)

@@ -316,7 +316,9 @@ def test_normalisation_uses_the_square_root_of_global_log_std(checkpoint: dict[s
 @pytest.mark.parametrize("samples", [481, 960, 1500, 2399, 4800])
 def test_a_zero_padded_clip_with_its_length_encodes_like_the_clip_alone(loaded: AuKVAE, samples: int):
     """The fixed-shape encode (padded to a bucket, every conv output cut to the clip's own lengths) that the GPU
-    replays from graphs: its first n frames are the unpadded encode."""
+    replays from graphs: its first n frames are the unpadded encode, with the cuts over whole rows and over only
+    the rows' ends that the bound on the padding leaves (the bound exact, and a bucket's). The input is left as
+    it was."""
     wav = torch.randn(1, samples, generator=torch.Generator().manual_seed(samples))
     bucket = 4800 + 960  # longer than every clip here
     with torch.no_grad():
@@ -324,10 +326,13 @@ def test_a_zero_padded_clip_with_its_length_encodes_like_the_clip_alone(loaded: 
         padded = torch.nn.functional.pad(wav, (0, bucket - samples))
         # Noise in the padding proves the padding is never read as signal.
         padded[:, samples:] = torch.randn(bucket - samples, generator=torch.Generator().manual_seed(1))
-        fixed = loaded.audio_encoder(padded[:, None, :], torch.tensor([samples]))
-    n = loaded.encoded_frames(samples)
-    assert alone.shape[-1] == n
-    torch.testing.assert_close(fixed[..., :n], alone, rtol=0, atol=1e-5)
-    assert fixed[..., n:].abs().max() == 0  # past the clip's frames only zeros
+        before = padded.clone()
+        n = loaded.encoded_frames(samples)
+        assert alone.shape[-1] == n
+        for padding in (None, bucket - samples, bucket):
+            fixed = loaded.audio_encoder(padded[:, None, :], torch.tensor([samples]), padding)
+            torch.testing.assert_close(fixed[..., :n], alone, rtol=0, atol=1e-5)
+            assert fixed[..., n:].abs().max() == 0, padding  # past the clip's frames only zeros
+    assert torch.equal(padded, before)
     latents = loaded.latents(fixed[..., :n])
     torch.testing.assert_close(latents, loaded.encode(wav), rtol=0, atol=1e-5)

@@ -178,9 +178,18 @@ class UpsampleConv(nn.ConvTranspose1d):
         return x[..., : x.shape[-1] - self.trim]
 
 
-def _zero_past(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Zero every sample at or past ``lengths`` [b] of ``x`` [b, c, t]."""
-    return x * (torch.arange(x.shape[-1], device=x.device) < lengths[:, None])[:, None, :]
+class _Cut:
+    """Zeroes every sample of a [b, c, t] signal at or past its row's length, in place, touching only the last
+    ``w`` samples: the ones where a row's padding can be (every row's length is at least t - w)."""
+
+    def __init__(self, lengths: torch.Tensor, t: int, tail: int | None, dtype: torch.dtype) -> None:
+        w = t if tail is None else min(t, tail)
+        at = torch.arange(t - w, t, device=lengths.device)
+        self.kept = (at < lengths[:, None]).to(dtype)[:, None, :]  # [b, 1, w]: 1 inside the row, 0 past it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x[..., x.shape[-1] - self.kept.shape[-1] :].mul_(self.kept)
+        return x
 
 
 class EncoderConv(nn.Module):
@@ -198,6 +207,11 @@ class EncoderConv(nn.Module):
         reach = conv.kernel_size[0] - 1 - 2 * conv.padding[0]
         return torch.where(lengths > reach, (lengths - reach - 1) // conv.stride[0] + 1, 0)
 
+    def output_padding(self, padding: int) -> int:
+        """The most output frames past a row's ``output_lengths`` when at most ``padding`` samples are past its
+        length: floor(a) - floor(b) <= floor(a - b) + 1 for the two lengths' quotients."""
+        return padding // self.layer.stride[0] + 1
+
 
 class ResStack(nn.Module):
     """Six residual pairs (LeakyReLU 0.01 -> conv k3 dilation 2^i -> LeakyReLU 0.01 -> conv k3), all centred."""
@@ -214,14 +228,17 @@ class ResStack(nn.Module):
             for i in range(depth)
         )
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cut: _Cut | None = None) -> torch.Tensor:
+        """With ``cut``, every conv output is cut to the rows' lengths (see ``Encoder.forward``), and ``x`` is
+        updated in place."""
         for layer in self.layers:
-            if lengths is None:
+            if cut is None:
                 x = x + layer(x)
                 continue
             act_a, conv_a, act_b, conv_b = layer
-            h = _zero_past(conv_a(act_a(x)), lengths)  # see Encoder.forward on why every conv output is cut
-            x = x + _zero_past(conv_b(act_b(h)), lengths)
+            h = cut(conv_a(act_a(x)))
+            # x is 0 past each row's length, so cutting x + y there is cutting y: one full-size kernel, the add.
+            x = cut(x.add_(conv_b(act_b(h))))
         return x
 
 
@@ -237,20 +254,27 @@ class Encoder(nn.Module):
         layers.append(EncoderConv(widths[-1], 2 * config.latent_dim, 3))
         self.generator = nn.Sequential(*layers)
 
-    def forward(self, wav: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, wav: torch.Tensor, lengths: torch.Tensor | None = None, padding: int | None = None
+    ) -> torch.Tensor:
         """[b, 1, t] -> [b, 2d, n]. With ``lengths`` [b], only the first ``lengths`` samples of each row are the
-        clip and the rest is zero padding: every conv output is cut back to the length the unpadded clip would
-        give it, so the padding reaches each conv exactly as its own zero padding would, and the first n frames
-        equal an encode of the clip alone. Shapes then depend on t only (a CUDA graph per padded length)."""
+        clip and the rest is padding: every conv output is cut back to the length the unpadded clip would give
+        it, so the padding reaches each conv exactly as its own zero padding would, and the first n frames equal
+        an encode of the clip alone. Shapes then depend on t only (a CUDA graph per padded length). ``padding``:
+        no row has more than that many samples past its length, so each cut touches only the signal's end."""
         if lengths is None:
             return self.generator(wav)
-        x = _zero_past(wav, lengths)
+        cut = _Cut(lengths, wav.shape[-1], padding, wav.dtype)
+        x = cut(wav.clone())
         for layer in self.generator:
             if isinstance(layer, EncoderConv):
                 lengths = layer.output_lengths(lengths)
-                x = _zero_past(layer(x), lengths)
+                padding = None if padding is None else layer.output_padding(padding)
+                x = layer(x)
+                cut = _Cut(lengths, x.shape[-1], padding, x.dtype)  # one for all the convs of a rate
+                x = cut(x)
             elif isinstance(layer, ResStack):
-                x = layer(x, lengths)
+                x = layer(x, cut)
             else:  # LeakyReLU keeps zeros zero
                 x = layer(x)
         return x
