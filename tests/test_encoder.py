@@ -140,6 +140,29 @@ def test_audio_placeholder_expands_to_one_token_per_audio_embedding(processor, s
     assert torch.equal(processor(INSTRUCTION, audio, input_ids=ahead)["input_ids"], ahead)
 
 
+@pytest.mark.parametrize(
+    "instruction",
+    [
+        INSTRUCTION,
+        " leading space, trailing space ",
+        "\n\nnewlines first\nand inside\n",
+        "Ünïcödé — 语音合成, émojis 🎙️ and digits 12345.",
+        "tabs\tand  double  spaces!?",
+    ],
+)
+def test_input_ids_are_the_tokenizers_ids_of_the_expanded_prompt(processor, instruction):
+    """``input_ids`` encodes the prompt with one audio placeholder and repeats its id; that gives the ids of
+    calling the tokenizer on the prompt with the placeholder repeated, whatever the text next to it, and the ids
+    of calling it on the text-only prompt."""
+    for samples in (None, 800, 16_000, 59_360, 480_000):
+        text = render_prompt(instruction, samples is not None)
+        if samples is not None:
+            text = text.replace("<|AUDIO|>", "<|AUDIO|>" * expected_audio_tokens(samples))
+        expected = processor.tokenizer(text, return_tensors="pt")["input_ids"]
+        ids = processor.input_ids(instruction, samples)
+        assert ids.dtype == expected.dtype and torch.equal(ids, expected), (instruction, samples)
+
+
 def test_features_equal_the_processor_full_window_padding(processor):
     """Padding only past the clip gives the same valid frames as the processor's 300 s max_length padding."""
     extractor = processor.feature_extractor

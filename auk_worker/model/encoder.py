@@ -212,13 +212,19 @@ class PromptProcessor:
 
     def input_ids(self, instruction: str, clip_samples: int | None) -> Tensor:
         """The prompt's token ids [1, nt] on the host, for a clip of ``clip_samples`` at 16 kHz (None: no clip).
-        The clip's length alone sets its audio token count, so a render tokenizes while the clip is resampled."""
+        The clip's length alone sets its audio token count, so a render tokenizes while the clip is resampled.
+
+        The ids of the prompt with its audio placeholder repeated once per audio token, made faster: the prompt is
+        encoded with the one placeholder, whose id is then repeated. The placeholder is an added token, which the
+        tokenizer splits out of the text before anything else, so n of them give n ids in its place and leave the
+        text around them as it is. The tokenizer's backend encodes it: the ids of calling the tokenizer, without
+        its Python wrapping (with the repeat, a fifth of the time)."""
         self._check_instruction(instruction)
-        text = render_prompt(instruction, has_audio=clip_samples is not None)
+        ids = self.tokenizer.backend_tokenizer.encode(render_prompt(instruction, clip_samples is not None)).ids
         if clip_samples is not None:
-            num_tokens = audio_token_count(self.audio_frames(clip_samples))
-            text = text.replace(AUDIO_PLACEHOLDER, AUDIO_PLACEHOLDER * num_tokens)
-        return self.tokenizer(text, return_tensors="pt")["input_ids"]
+            at = ids.index(self.audio_token_id)
+            ids[at : at + 1] = [self.audio_token_id] * audio_token_count(self.audio_frames(clip_samples))
+        return torch.tensor([ids], dtype=torch.long)
 
     def _check_instruction(self, instruction: str) -> None:
         for token in self.reserved_tokens:
