@@ -218,7 +218,7 @@ class PromptProcessor:
         encoded with the one placeholder, whose id is then repeated. The placeholder is an added token, which the
         tokenizer splits out of the text before anything else, so n of them give n ids in its place and leave the
         text around them as it is. The tokenizer's backend encodes it: the ids of calling the tokenizer, without
-        its Python wrapping (with the repeat, a fifth of the time)."""
+        its Python wrapping (with the repeat, about a quarter of the time)."""
         self._check_instruction(instruction)
         ids = self.tokenizer.backend_tokenizer.encode(render_prompt(instruction, clip_samples is not None)).ids
         if clip_samples is not None:
