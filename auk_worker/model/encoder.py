@@ -214,11 +214,11 @@ class PromptProcessor:
         """The prompt's token ids [1, nt] on the host, for a clip of ``clip_samples`` at 16 kHz (None: no clip).
         The clip's length alone sets its audio token count, so a render tokenizes while the clip is resampled.
 
-        The ids of the prompt with its audio placeholder repeated once per audio token, made faster: the prompt is
-        encoded with the one placeholder, whose id is then repeated. The placeholder is an added token, which the
-        tokenizer splits out of the text before anything else, so n of them give n ids in its place and leave the
-        text around them as it is. The tokenizer's backend encodes it: the ids of calling the tokenizer, without
-        its Python wrapping (with the repeat, about a quarter of the time)."""
+        These are the ids of the prompt with its audio placeholder repeated once per audio token, made a faster
+        way, in about a quarter of the time: the tokenizer's backend (the ids of calling the tokenizer, without its
+        Python wrapping) encodes the prompt with one placeholder, and that id is then repeated. The placeholder is
+        an added token, which the tokenizer splits out of the text before anything else, so n of them give n ids
+        in its place and leave the text around them as it is."""
         self._check_instruction(instruction)
         ids = self.tokenizer.backend_tokenizer.encode(render_prompt(instruction, clip_samples is not None)).ids
         if clip_samples is not None:
