@@ -31,8 +31,12 @@ from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
 from bench.common import BULK_INSTRUCTION, environment, median, write_result
 
 PEAK_FLOPS = 790e12
-# The random-weight pipelines tokenize with the tiny byte-level tokenizer, which gives about 1.5x the tokens Qwen's
-# gives for the same text (its chat template alone is 61 tokens); `text_tokens` in the results is what ran.
+# The random-weight pipelines tokenize with the tiny byte-level tokenizer: about three times the tokens Qwen's
+# vocabulary gives for the same text (the text-only chat template 61 against 25; the zero-shot prompt below 92
+# against 35 around the clip's audio tokens, the instruct prompt 155 against 50). For zero-shot the surplus is about
+# what a 12 s utterance's words would add to this short sentence (the same 224-token text bucket), so that prompt is
+# realistic at 12 s and long at 3 and 6 s; the instruct prompt is long at every length. `text_tokens` in the
+# results is what ran.
 INSTRUCT = 'Generate speech based on the following description: "A calm voice." The content to speak is: "Your order ships today."'
 ZERO_SHOT = 'Say the following with the same voice: "Your order ships today."'
 # (name, variant, instruction, reference seconds)
