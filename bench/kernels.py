@@ -41,7 +41,7 @@ from bench.models import RELEASE_ARCH, release_thinker_config
 KINDS = (
     ("inductor", ("triton_",)),
     ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel",
-                      "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel")),
+                      "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel", "alias_free_activation")),
     ("attention", ("sdpa", "flash", "fmha", "_varlen_attention_kernel")),
     ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
 )

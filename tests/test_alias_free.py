@@ -241,6 +241,11 @@ def check_fused_kernel() -> None:
         assert fused.shape == reference.shape == (2, 3, left_pad + 300)
         assert torch.equal(fused[..., :left_pad], torch.zeros(2, 3, left_pad))
         assert relative(fused, reference) < 1e-6, (left_pad, relative(fused, reference))
+    # The CUDA kernel's entry point hands what it does not take (here: tensors off the GPU) to this kernel.
+    from auk_worker.model import alias_free_cuda
+
+    args = (x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, True, lowpass.pad, 2)
+    assert torch.equal(alias_free_cuda.fused_activation(*args, min_blocks=0), fused_activation(*args))
 
 
 @needs_triton

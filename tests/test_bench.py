@@ -91,8 +91,8 @@ def test_kernel_kinds_sort_the_names_a_dit_step_profile_shows():
     assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>") == "attention"
     assert kind("_varlen_attention_kernel") == "attention"
     hand_written = ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel",
-                    "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel")
-    assert [kind(name) for name in hand_written] == ["hand-written"] * 6
+                    "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel", "alias_free_activation")
+    assert [kind(name) for name in hand_written] == ["hand-written"] * 7
     assert kind("triton_red_fused_add_mul_native_layer_norm_split_unsqueeze_0") == "inductor"
     assert kind("triton_poi_fused__scaled_dot_product_cudnn_attention_cat_slice_transpose_view_2") == "inductor"
     assert kind("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast") == "other"

@@ -505,6 +505,41 @@ def test_fused_activation_kernel_matches_the_convolutions():
         assert torch.equal(fast, with_edges), (channels, length)
 
 
+def test_cuda_activation_kernel_gives_the_triton_kernels_bits():
+    """The CUDA C++ activation kernel against the Triton kernel, bit for bit: release widths, a row's ends and
+    lengths around its block, batched rows read through a slice along time, the causal convolution's zeros in
+    front, and arguments past the sine's branch-free range (libdevice's own sine there)."""
+    from auk_worker.model import alias_free_cuda, alias_free_kernel
+    from auk_worker.model.alias_free import AliasFreeActivation
+
+    assert alias_free_cuda.available(torch.device("cuda"))
+    torch.manual_seed(4)
+    cases = [  # causal, log-scale, batch, channels, length, zeros in front, log alpha's mean
+        (True, True, 1, 768, 3000, 10, 0.0), (True, True, 2, 24, 144_007, 50, 0.0), (False, True, 2, 96, 1025, 0, 0.0),
+        (False, False, 1, 48, 1, 3, 0.0), (True, False, 3, 5, 1024, 0, 0.0), (True, True, 1, 2, 37, 7, 0.0),
+        (True, True, 2, 16, 5000, 2, 12.0),  # alpha about e^12: most sine arguments past 105,615
+    ]
+    for causal, logscale, batch, channels, length, left_pad, log_alpha in cases:
+        act = AliasFreeActivation(channels, logscale, causal).cuda().requires_grad_(False)
+        with torch.no_grad():
+            act.act.alpha.normal_(mean=log_alpha, std=0.5)
+            act.act.beta.normal_(std=0.5)
+            if not logscale:
+                act.act.alpha.abs_().add_(0.5)
+                act.act.beta.abs_().add_(0.5)
+        x = torch.randn(batch, channels, length + 4, device="cuda")[..., 4:]
+        lowpass = act.downsample.lowpass
+        args = (x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, logscale, lowpass.pad, left_pad)
+        with torch.inference_mode():
+            fast = alias_free_cuda.fused_activation(*args, min_blocks=0)
+            expected = alias_free_kernel.fused_activation(*args)
+        assert fast.shape == (batch, channels, left_pad + length)
+        assert torch.equal(fast, expected), (causal, logscale, batch, channels, length, log_alpha)
+    model = torch.nn.ModuleList([AliasFreeActivation(8, True, True)]).cuda()
+    assert alias_free_kernel.use_fast_activations(model, torch.device("cuda")).startswith("CUDA kernel")
+    assert model[0].polyphase_fn is alias_free_cuda.fused_activation
+
+
 def test_encode_graphs_match_the_eager_encode(pipe):
     """Reference clips zero-padded to whole seconds and replayed from graphs against the plain encode."""
     generator = torch.Generator("cuda").manual_seed(2)

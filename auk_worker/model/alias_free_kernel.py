@@ -201,9 +201,16 @@ def fused_activation(
 
 
 def use_fast_activations(model: torch.nn.Module, device: torch.device) -> str:
-    """Switch ``model``'s anti-aliased activations to their fastest form on ``device``: this kernel on a CUDA
-    device with Triton, else one ``torch.compile`` of the polyphase form. Returns which, for the log."""
+    """Switch ``model``'s anti-aliased activations to their fastest form on ``device``: on a CUDA device with
+    Triton the CUDA C++ kernel (``alias_free_cuda``, which hands this kernel the calls it does not take) where
+    NVRTC builds it, else this kernel; elsewhere one ``torch.compile`` of the polyphase form. Returns which, for
+    the log."""
     if available(device):
+        from auk_worker.model import alias_free_cuda  # imports this module: its fallback
+
+        if alias_free_cuda.available(device):
+            use_fused_activations(model, True, alias_free_cuda.fused_activation)
+            return "CUDA kernel (calls of fewer blocks than multiprocessors on the Triton kernel)"
         use_fused_activations(model, True, fused_activation)
         return "triton kernel"
     compile_fused_activations(model)
