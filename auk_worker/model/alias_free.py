@@ -20,7 +20,8 @@ Two equal formulations (same taps, same edges; sums rounded in a different order
   for long narrow signals (24 channels x 48k samples: 60 vs 101 ms), slower for short wide ones (384 x 1200:
   9.7 vs 5.1 ms).
 
-On CUDA the pipeline runs the polyphase form as one hand-written kernel per activation (``alias_free_kernel``).
+On CUDA the pipeline runs the polyphase form as one hand-written kernel per activation: ``alias_free_cuda``'s
+(CUDA C++, built with NVRTC), or ``alias_free_kernel``'s (Triton) where that one cannot run.
 
 Shapes: ``b`` batch, ``c`` channels, ``t`` samples at the activation's input rate.
 """
