@@ -44,13 +44,11 @@ OUT = THREADS * PER_THREAD  # outputs a block
 MAX_ROWS = 65_535  # rows run on the grid's second axis
 INT32_MAX = 2**31 - 1  # sizes and strides go to the kernel as int
 
-# Compiled with LEFT (the decimator's left padding, odd) and EPS defined in front. Positions: output i reads
+# Compiled with THREADS, PER (= PER_THREAD), LEFT (the decimator's left padding, odd) and EPS defined in front. Positions: output i reads
 # oversampled sample m = 2i + k - LEFT at tap k, i.e. phase p = (k + LEFT) % 2 at input position j = i + d with
 # d = (k + 12 - LEFT) / 2 - 6, d in LOW ... LOW + 6. Slot q of the block's shared rows is position j0 + q,
 # j0 = first + LOW; the x slot q holds x[j0 - 3 + q].
 SOURCE = r"""
-#define THREADS 128
-#define PER 8
 #define OUT (THREADS * PER)
 #define LOW ((12 - LEFT) / 2 - 6)
 #define NPOS (OUT + 6)   // oversampled positions a block needs, each phase
@@ -248,7 +246,8 @@ def _kernel(device: torch.device, left: int):
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, left)
     if key not in _kernels:
-        source = f"#define LEFT {left}\n#define EPS {SNAKE_EPS!r}f\n" + SOURCE
+        defines = {"THREADS": THREADS, "PER": PER_THREAD, "LEFT": left, "EPS": f"{SNAKE_EPS!r}f"}
+        source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + SOURCE
         with torch.cuda.device(index):  # the module is loaded into this device's context
             _kernels[key] = torch.cuda._compile_kernel(source, "alias_free_activation")
     return _kernels[key]
