@@ -87,13 +87,32 @@ def describe_validation_errors(errors: Iterable[Mapping[str, Any]], *, skip: Seq
             message = "field required"
         elif message.startswith("Value error, "):
             message = message[len("Value error, "):]
+        if message.startswith("Expected UploadFile"):  # a multipart part without a filename arrives as text
+            message = "must be a file: a multipart part with a filename"
         described.append({"field": field, "message": message})
     return described
 
 
+MAX_REPORTED_ERRORS = 20  # field errors named in one response; a body with 50,000 unknown keys gets a short answer
+
+
 def summarize(described: Sequence[Mapping[str, str]]) -> str:
     """One sentence out of several field errors: ``instruction: field required; foo: unknown field``."""
-    return "; ".join(f"{d['field']}: {d['message']}" if d["field"] else d["message"] for d in described)
+    shown = "; ".join(f"{d['field']}: {d['message']}" if d["field"] else d["message"]
+                      for d in described[:MAX_REPORTED_ERRORS])
+    hidden = len(described) - MAX_REPORTED_ERRORS
+    return f"{shown}; and {hidden} more" if hidden > 0 else shown
+
+
+def json_failure(exc: BaseException) -> str | None:
+    """Why ``json.loads`` failed past its own JSONDecodeError, in the caller's terms; None for other errors."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {exc.start})"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, ValueError) and "integer string conversion" in str(exc):
+        return "a number has too many digits"
+    return None
 
 
 def _body(code: str, message: str, details: Any = None) -> dict:
@@ -101,6 +120,11 @@ def _body(code: str, message: str, details: Any = None) -> dict:
     if details is not None:
         error["details"] = details
     return {"error": error}
+
+
+def _invalid(described: Sequence[Mapping[str, str]]) -> JSONResponse:
+    return JSONResponse(_body("invalid_request", summarize(described), list(described[:MAX_REPORTED_ERRORS])),
+                        status_code=422)
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -128,13 +152,11 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
     if _NOT_OBJECT & set(whole_body):
         message = "the request body must be a JSON object sent with Content-Type: application/json"
         return JSONResponse(_body("malformed_json", message), status_code=400)
-    described = describe_validation_errors(errors, skip=("body", "query", "path", "header"))
-    return JSONResponse(_body("invalid_request", summarize(described), described), status_code=422)
+    return _invalid(describe_validation_errors(errors, skip=("body", "query", "path", "header")))
 
 
 async def _pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse:
-    described = describe_validation_errors(exc.errors())
-    return JSONResponse(_body("invalid_request", summarize(described), described), status_code=422)
+    return _invalid(describe_validation_errors(exc.errors()))
 
 
 async def _auk_error(request: Request, exc: AuKError) -> JSONResponse:
@@ -146,6 +168,8 @@ async def _auk_error(request: Request, exc: AuKError) -> JSONResponse:
 
 
 async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
+    if isinstance(exc, redis.ResponseError):  # Redis answered and refused a command: a fault here, not an outage
+        return await _unexpected(request, exc)
     log.warning("%s %s: redis: %s", request.method, request.url.path, exc)
     message = f"the job store (Redis) is unreachable: {exc}"
     return JSONResponse(_body(InfraError.code, message), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
@@ -156,9 +180,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request refused"
     # FastAPI's own body parsing fails past json.loads' JSONDecodeError with a bare "error parsing the body";
     # the cause it chains says what was wrong.
-    cause = exc.__cause__
-    if isinstance(cause, (UnicodeDecodeError, RecursionError)):
-        reason = f"not UTF-8 text (byte {cause.start})" if isinstance(cause, UnicodeDecodeError) else "nested too deeply"
+    reason = json_failure(exc.__cause__) if exc.__cause__ is not None else None
+    if reason is not None:
         return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
     if exc.status_code == 404 and message == "Not Found":
         message = "no such endpoint"

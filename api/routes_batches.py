@@ -22,7 +22,9 @@ from starlette.datastructures import UploadFile
 
 from api.app import Services, services
 from api.auth import caller
-from api.errors import ApiError, batch_state, describe_validation_errors, not_found, summarize, too_large
+from api.errors import (
+    ApiError, batch_state, describe_validation_errors, json_failure, not_found, summarize, too_large,
+)
 from api.routes_jobs import ClipResolver, prepare, send_render
 from auk_worker.errors import InfraError, InputError
 from auk_worker.service.celery_app import queue_name
@@ -79,11 +81,22 @@ async def _read_body(request: Request) -> bytes:
     return data
 
 
+def job_lines(text: str) -> list[str]:
+    """The batch's lines, ended by "\n" only (a "\r" before it is JSON whitespace): JSON strings may hold U+2028
+    and the other breaks that ``str.splitlines`` would split them at."""
+    return text.split("\n")
+
+
 def _parse_line(text: str) -> JobRequest:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    except (RecursionError, ValueError) as exc:
+        reason = json_failure(exc)
+        if reason is None:
+            raise
+        raise InputError(f"not valid JSON: {reason}") from None
     if not isinstance(obj, dict):
         raise InputError(f"a line must be a JSON object, got {type(obj).__name__}")
     return JobRequest.model_validate(obj)
@@ -94,7 +107,7 @@ def validate_lines(text: str, resolver: ClipResolver) -> tuple[list[tuple[JobReq
     good: list[tuple[JobRequest, dict[str, Any]]] = []
     bad: list[dict] = []
     seen: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(job_lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -124,7 +137,7 @@ async def create_batch(request: Request, owner: str = Depends(caller), svc: Serv
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(400, "malformed_body", f"the batch is not UTF-8 text (byte {exc.start})") from None
-    lines = sum(1 for line in text.splitlines() if line.strip())
+    lines = sum(1 for line in job_lines(text) if line.strip())
     if lines == 0:
         raise ApiError(422, "empty_batch", "the batch holds no job lines")
     if lines > MAX_BATCH_LINES:

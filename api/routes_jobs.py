@@ -36,13 +36,15 @@ MAX_IDEMPOTENCY_KEY = 255
 class ClipResolver:
     """Turns a request's audio reference into the clip a worker will read, checking it exists and decodes.
 
-    One resolver serves a whole batch, so a clip named on many lines is fetched and decoded once.
+    One resolver serves a whole batch, so a clip named on many lines is fetched and decoded once, and so is a
+    key that is missing, too large or undecodable: its error is kept and raised again for every later line.
     """
 
     def __init__(self, svc: Services, owner: str) -> None:
         self.svc = svc
         self.owner = owner
         self._by_key: dict[str, dict[str, Any]] = {}
+        self._failed: dict[str, InputError | ApiError] = {}
 
     def resolve(self, request: JobRequest) -> dict[str, Any] | None:
         """``{"bucket", "key", "duration_s", "sample_rate"}`` for the clip, or None without audio.
@@ -61,16 +63,26 @@ class ClipResolver:
             return {"bucket": self.svc.storage.bucket, "key": upload.key, "duration_s": upload.duration_s,
                     "sample_rate": upload.sample_rate}
         key = audio.key
+        if key in self._failed:
+            raise self._failed[key].with_traceback(None)  # the same error, without a traceback grown per line
         if key not in self._by_key:
-            bucket = self.svc.storage.input_bucket
-            size = self._input_size(bucket, key)
-            limit = self.svc.settings.max_upload_bytes
-            if size > limit:
-                raise ApiError(422, "too_large", f"audio.key {key!r} is {size} bytes; the limit is {limit}")
-            clip = decode_audio(self.svc.storage.get_bytes(bucket, key))
-            self._by_key[key] = {"bucket": bucket, "key": key, "duration_s": round(clip.duration_s, 6),
-                                 "sample_rate": clip.sample_rate}
+            try:
+                self._by_key[key] = self._inspect(key)
+            except (InputError, ApiError) as exc:
+                if isinstance(exc, ApiError) and exc.status >= 500:
+                    raise
+                self._failed[key] = exc
+                raise
         return dict(self._by_key[key])
+
+    def _inspect(self, key: str) -> dict[str, Any]:
+        bucket = self.svc.storage.input_bucket
+        size = self._input_size(bucket, key)
+        limit = self.svc.settings.max_upload_bytes
+        if size > limit:
+            raise ApiError(422, "too_large", f"audio.key {key!r} is {size} bytes; the limit is {limit}")
+        clip = decode_audio(self.svc.storage.get_bytes(bucket, key))
+        return {"bucket": bucket, "key": key, "duration_s": round(clip.duration_s, 6), "sample_rate": clip.sample_rate}
 
 
     def _input_size(self, bucket: str, key: str) -> int:

@@ -16,17 +16,40 @@ from auk_worker.types import MAX_TOTAL_SECONDS, MIN_CLIP_SAMPLES_24K, SAMPLE_RAT
 
 THINKER_SAMPLE_RATE = 16_000  # the Whisper-style feature extractor's rate
 MAX_CHANNELS = 8
+MAX_PEAK = 1000.0  # full scale is 1.0; far louder than any real recording, far below where fp32 features overflow
+_READ_BLOCK = 1 << 16  # frames a read: a header that lies about the length never sizes an allocation
 
 
 def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
-    """Decode an encoded clip (WAV, FLAC, OGG, ...) into mono float32 at its own sample rate."""
+    """Decode an encoded clip (WAV, FLAC, OGG, ...) into mono float32 at its own sample rate.
+
+    The file is read in blocks and no further than ``max_seconds`` allows, so a header that declares a huge length
+    (a damaged or hostile file) never sizes an allocation: such a file decodes to the audio it holds, or fails as
+    undecodable when libsndfile cannot seek past its real end."""
     if not data:
         raise AudioError("the audio file is empty (0 bytes)")
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)  # [t, channels]
+        with sf.SoundFile(io.BytesIO(data)) as handle:
+            rate, channels, declared = handle.samplerate, handle.channels, handle.frames
+            if rate <= 0:
+                raise AudioError(f"the audio has an invalid sample rate ({rate} Hz)")
+            if channels > MAX_CHANNELS:
+                raise AudioError(f"the audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
+            limit = int(max_seconds * rate)  # frames; one more proves the clip too long
+            blocks, total = [], 0
+            while total <= limit:
+                block = handle.read(min(_READ_BLOCK, limit + 1 - total), dtype="float32", always_2d=True)
+                if len(block) == 0:
+                    break
+                blocks.append(block)
+                total += len(block)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         reason = str(exc).rsplit(": ", 1)[-1]  # libsndfile's own words, without the stream's repr
         raise AudioError(f"the file is not audio that can be decoded ({reason})") from None
+    if total > limit:
+        length = f"{declared / rate:.2f} s long by its header" if declared > limit else f"longer than {max_seconds:g} s"
+        raise AudioError(f"the audio is {length}; at most {max_seconds:g} s is accepted")
+    samples = np.concatenate(blocks) if blocks else np.zeros((0, channels), dtype=np.float32)
     return validate_clip(samples, rate, max_seconds=max_seconds)
 
 
@@ -45,6 +68,10 @@ def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float =
         raise AudioError("the audio holds no samples")
     if not np.isfinite(samples).all():
         raise AudioError("the audio contains NaN or infinite samples")
+    peak = float(np.abs(samples).max())
+    if peak > MAX_PEAK:
+        raise AudioError(f"the audio's peak amplitude is {peak:.3g}; at most {MAX_PEAK:g} is accepted (full scale "
+                         "is 1.0)")
     duration = samples.shape[0] / sample_rate
     if duration > max_seconds:
         raise AudioError(f"the audio is {duration:.2f} s long; at most {max_seconds:g} s is accepted")

@@ -81,7 +81,7 @@ def test_non_finite_samples():
 
 
 def test_too_long_and_too_short():
-    with pytest.raises(AudioError, match="31.00 s long; at most 30 s"):
+    with pytest.raises(AudioError, match="31.00 s long by its header; at most 30 s"):
         decode_audio(wav_bytes(np.zeros(31 * 8_000, dtype=np.float32), 8_000))
     with pytest.raises(AudioError, match="at least 20 ms"):
         decode_audio(wav_bytes(np.zeros(100, dtype=np.float32), 24_000))
@@ -90,3 +90,44 @@ def test_too_long_and_too_short():
 def test_too_many_channels():
     with pytest.raises(AudioError, match="9 channels"):
         validate_clip(np.zeros((24_000, 9), dtype=np.float32), 24_000)
+
+
+def _flac_declaring(total_samples: int, seconds: float = 1.0, rate: int = 16_000) -> bytes:
+    """A real FLAC clip whose STREAMINFO header claims ``total_samples`` frames (its 36-bit field, file bytes
+    18-25 with the sample rate, channels and bit depth before it), as a damaged or hostile file would."""
+    data = bytearray(wav_bytes(np.zeros(int(seconds * rate), dtype=np.float32) + 0.25, rate, "PCM_16", "FLAC"))
+    assert data[:4] == b"fLaC"
+    field = int.from_bytes(data[18:26], "big")
+    field = (field & ~((1 << 36) - 1)) | total_samples
+    data[18:26] = field.to_bytes(8, "big")
+    return bytes(data)
+
+
+def test_a_header_declaring_a_huge_length_is_an_audio_error_not_an_allocation():
+    """Decoding once allocated what the header declared: 2^36 frames here, 256 GiB of float32, a MemoryError
+    and an HTTP 500 for one upload. Now the file is read in blocks of bounded size; this one then fails cleanly
+    (libsndfile cannot seek past the real end of a FLAC stream that claims more)."""
+    with pytest.raises(AudioError, match="not audio that can be decoded"):
+        decode_audio(_flac_declaring((1 << 36) - 1))
+    # The same clip with its true length decodes.
+    clip = decode_audio(_flac_declaring(16_000))
+    assert (clip.sample_rate, len(clip.samples)) == (16_000, 16_000)
+    np.testing.assert_allclose(clip.samples, 0.25, atol=1e-4)
+
+
+def test_a_clip_longer_than_the_limit_is_refused_without_reading_it_all():
+    # The header's length is the one reported; the read stops one frame past the limit.
+    with pytest.raises(AudioError, match="40.00 s long by its header; at most 30 s"):
+        decode_audio(wav_bytes(np.zeros(40 * 8_000, dtype=np.float32), 8_000))
+    with pytest.raises(AudioError, match="3.00 s long by its header; at most 2 s"):
+        decode_audio(_flac_declaring(48_000, seconds=3.0), max_seconds=2.0)
+
+
+def test_absurdly_loud_samples_are_refused():
+    """A finite float clip at 1e30 decoded fine and then failed its job as a model error (non-finite audio)."""
+    x = np.zeros(24_000, dtype=np.float32)
+    x[5] = 1e30
+    with pytest.raises(AudioError, match="peak amplitude is 1e\\+30; at most 1000"):
+        decode_audio(wav_bytes(x, 24_000, "FLOAT"))
+    x[5] = 4.0  # loud, clipped, but audio: accepted
+    assert validate_clip(x, 24_000).samples[5] == 4.0

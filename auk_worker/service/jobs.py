@@ -323,11 +323,11 @@ class JobStore:
         top: float | str = "+inf"
         after: tuple[float, str] | None = None
         if cursor:
-            try:
-                score_s, after_id = cursor.split("-", 1)
-                after = (float(score_s), after_id)
-            except ValueError:
-                raise ValueError(f"bad cursor {cursor!r}") from None
+            score_s, _, after_id = cursor.partition("-")
+            # The score is a creation time in whole milliseconds: digits only (no nan, inf, signs or exponents).
+            if not (score_s.isascii() and score_s.isdigit() and len(score_s) <= 16 and after_id):
+                raise ValueError(f"bad cursor {cursor!r}")
+            after = (float(score_s), after_id)
             top = after[0]
         out: builtins.list[tuple[JobRecord, float]] = []
         offset, chunk = 0, max(limit + 1, 64)

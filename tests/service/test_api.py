@@ -114,11 +114,13 @@ def fetch_wav(url: str) -> tuple[np.ndarray, int]:
     return samples, rate
 
 
-def wav_bytes(seconds: float, rate: int = 16_000, channels: int = 1) -> bytes:
+def wav_bytes(seconds: float, rate: int = 16_000, channels: int = 1, amplitude: float = 0.2) -> bytes:
+    """A tone; 16-bit PCM, or float samples when ``amplitude`` is past full scale."""
     t = np.arange(int(seconds * rate)) / rate
-    tone = (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    tone = (amplitude * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
     buf = io.BytesIO()
-    sf.write(buf, np.repeat(tone[:, None], channels, axis=1), rate, format="WAV", subtype="PCM_16")
+    subtype = "PCM_16" if amplitude <= 1.0 else "FLOAT"
+    sf.write(buf, np.repeat(tone[:, None], channels, axis=1), rate, format="WAV", subtype=subtype)
     return buf.getvalue()
 
 
@@ -344,6 +346,10 @@ def test_listing_is_newest_first_and_paginated(service: Service) -> None:
         assert seen == ids[::-1]
         bad = http.get("/v1/jobs", params={"status": "exploded"})
         assert bad.status_code == 422 and "status" in error_of(bad)["message"]
+        # A cursor is "<created ms>-<job id>": anything else is the caller's error, never the job store's.
+        for cursor in ("nan-x", "inf-x", "1e400-x", "1.5-x", "-5-x", "12", "12-", "1" * 40 + "-x"):
+            bad = http.get("/v1/jobs", params={"cursor": cursor})
+            assert bad.status_code == 422 and "cursor" in error_of(bad)["message"], (cursor, bad.text)
     for job_id in ids:
         wait_job(service, job_id, key=KEY_C)
     with service.client(KEY_C) as http:
@@ -373,6 +379,11 @@ BAD_JOBS = [
     (b'{"instruction": "x", "gen_seconds": NaN}', "application/json", 422, ["gen_seconds", "finite"]),
     ({"instruction": "x", "gen_seconds": 2, "num_inference_steps": "8"}, None, 422, ["num_inference_steps"]),
     ({"instruction": "x", "gen_seconds": 2, "seed": False}, None, 422, ["seed"]),
+    (b'{"instruction": "x", "gen_seconds": ' + b"9" * 5000 + b"}", "application/json", 400,
+     ["not valid JSON", "too many digits"]),
+    # Fifty thousand unknown fields: the first twenty are named, with a count of the rest.
+    ({"instruction": "x", "gen_seconds": 2, **{f"k{i}": 0 for i in range(50_000)}}, None, 422,
+     ["k0: unknown field", "k19: unknown field", "and 49980 more"]),
 ]
 
 
@@ -385,7 +396,8 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_worker_stays_up(service: 
                 response = http.post("/v1/jobs", content=body, headers={"Content-Type": content_type})
             else:
                 response = http.post("/v1/jobs", json=body)
-            assert response.status_code == status, (body, response.text)
+            assert response.status_code == status, (body, response.text[:500])
+            assert len(response.content) < 8_000, len(response.content)  # an answer, not a transcript
             message = error_of(response)["message"]
             for word in words:
                 assert word in message, (body, message)
@@ -406,6 +418,11 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_worker_stays_up(service: 
         assert huge.status_code == 413 and str(MAX_UPLOAD) in error_of(huge)["message"]
         no_file = http.post("/v1/uploads", files={"other": ("a.wav", wav_bytes(0.5), "audio/wav")})
         assert no_file.status_code == 422 and "file" in error_of(no_file)["message"]
+        no_name = http.post("/v1/uploads", files={"file": ("", wav_bytes(0.5), "audio/wav")})
+        assert no_name.status_code == 422 and "file: must be a file" in error_of(no_name)["message"], no_name.text
+        loud = wav_bytes(0.5, amplitude=1e30)
+        too_loud = http.post("/v1/uploads", files={"file": ("loud.wav", loud, "audio/wav")})
+        assert too_loud.status_code == 422 and "peak amplitude" in error_of(too_loud)["message"]
 
         # A batch with bad lines: each reported by number, nothing written, nothing enqueued.
         bulk_before = service.redis.llen("auk.base.bulk")
@@ -416,12 +433,17 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_worker_stays_up(service: 
             json.dumps({"instruction": "no length", "custom_id": "c"}),
             json.dumps({"instruction": "no id", "gen_seconds": 1}),
             json.dumps({"instruction": "too long", "gen_seconds": 45, "custom_id": "e"}),
+            "[" * 5000 + "]" * 5000,
+            '{"instruction": "x", "custom_id": "g", "gen_seconds": ' + "9" * 5000 + "}",
+            # Valid: JSON strings may hold U+2028, which str.splitlines would break the line at.
+            json.dumps({"instruction": "a\u2028b", "gen_seconds": 1, "custom_id": "h"}, ensure_ascii=False),
         ]
         bad_batch = http.post("/v1/batches", content="\n".join(lines), headers={"Content-Type": "text/plain"})
         assert bad_batch.status_code == 422, bad_batch.text
         error = error_of(bad_batch)
         by_line = {item["line"]: item["message"] for item in error["details"]}
-        assert set(by_line) == {2, 3, 4, 5, 6}
+        assert set(by_line) == {2, 3, 4, 5, 6, 7, 8}
+        assert "nested too deeply" in by_line[7] and "too many digits" in by_line[8]
         assert "JSON" in by_line[2] and "repeats line 1" in by_line[3]
         assert "gen_seconds is required" in by_line[4] and "custom_id" in by_line[5] and "gen_seconds" in by_line[6]
         assert service.redis.llen("auk.base.bulk") == bulk_before
@@ -514,3 +536,29 @@ def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
     with pytest.raises(InputError, match="refuses the key 'clips/../x.wav'") as refused:
         ClipResolver(build_services(settings), "owner").resolve(request)
     assert refused.value.code == "invalid_key"
+
+
+def test_a_bad_key_named_on_many_batch_lines_is_fetched_once(settings) -> None:
+    """A batch of 2,000 lines naming one large undecodable object took 135 s: every line fetched and decoded it
+    again. The resolver now keeps a key's error as it keeps a good key's clip."""
+    from api.app import build_services
+    from api.routes_jobs import ClipResolver
+    from auk_worker.errors import AudioError, InputError
+    from auk_worker.service.schema import AudioRef, JobRequest
+
+    svc = build_services(settings)
+    svc.storage.client.put_object(Bucket=svc.storage.input_bucket, Key="probe/garbage.wav", Body=b"\x07" * 4096)
+    fetched = []
+    get_bytes = svc.storage.get_bytes
+    svc.storage.get_bytes = lambda bucket, key: fetched.append(key) or get_bytes(bucket, key)
+    resolver = ClipResolver(svc, "owner")
+    for key, error in (("probe/garbage.wav", AudioError), ("probe/missing.wav", InputError)):
+        request = JobRequest.model_construct(instruction="x", audio=AudioRef.model_construct(upload_id=None, key=key),
+                                             gen_seconds=1.0)  # fmt: skip
+        messages = set()
+        for _ in range(50):
+            with pytest.raises(error) as raised:
+                resolver.resolve(request)
+            messages.add(raised.value.message)
+        assert len(messages) == 1, messages  # the same error every time
+    assert fetched == ["probe/garbage.wav"]  # fetched once; the missing key never got past its HEAD
