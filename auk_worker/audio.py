@@ -43,11 +43,13 @@ def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> Audi
                     break
                 blocks.append(block)
                 total += len(block)
+    except AudioError:
+        raise
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         reason = str(exc).rsplit(": ", 1)[-1]  # libsndfile's own words, without the stream's repr
         raise AudioError(f"the file is not audio that can be decoded ({reason})") from None
     if total > limit:
-        length = f"{declared / rate:.2f} s long by its header" if declared > limit else f"longer than {max_seconds:g} s"
+        length = f"{declared / rate:.2f} s long by its header" if declared > limit else f"over {max_seconds:g} s long"
         raise AudioError(f"the audio is {length}; at most {max_seconds:g} s is accepted")
     samples = np.concatenate(blocks) if blocks else np.zeros((0, channels), dtype=np.float32)
     return validate_clip(samples, rate, max_seconds=max_seconds)

@@ -90,6 +90,9 @@ def test_too_long_and_too_short():
 def test_too_many_channels():
     with pytest.raises(AudioError, match="9 channels"):
         validate_clip(np.zeros((24_000, 9), dtype=np.float32), 24_000)
+    # From a file the header's channel count is checked before any sample is read, with the same words.
+    with pytest.raises(AudioError, match="^the audio has 9 channels; at most 8 are accepted$"):
+        decode_audio(wav_bytes(np.zeros((24_000, 9), dtype=np.float32), 24_000))
 
 
 def _flac_declaring(total_samples: int, seconds: float = 1.0, rate: int = 16_000) -> bytes:
