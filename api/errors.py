@@ -104,7 +104,7 @@ def summarize(described: Sequence[Mapping[str, str]]) -> str:
     return f"{shown}; and {hidden} more" if hidden > 0 else shown
 
 
-def json_failure(exc: BaseException) -> str | None:
+def json_failure(exc: BaseException | None) -> str | None:
     """Why ``json.loads`` failed past its own JSONDecodeError, in the caller's terms; None for other errors."""
     if isinstance(exc, UnicodeDecodeError):
         return f"not UTF-8 text (byte {exc.start})"
@@ -180,7 +180,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request refused"
     # FastAPI's own body parsing fails past json.loads' JSONDecodeError with a bare "error parsing the body";
     # the cause it chains says what was wrong.
-    reason = json_failure(exc.__cause__) if exc.__cause__ is not None else None
+    reason = json_failure(exc.__cause__)
     if reason is not None:
         return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
     if exc.status_code == 404 and message == "Not Found":

@@ -68,9 +68,7 @@ class ClipResolver:
         if key not in self._by_key:
             try:
                 self._by_key[key] = self._inspect(key)
-            except (InputError, ApiError) as exc:
-                if isinstance(exc, ApiError) and exc.status >= 500:
-                    raise
+            except (InputError, ApiError) as exc:  # the caller's errors (422): storage faults are InfraError
                 self._failed[key] = exc
                 raise
         return dict(self._by_key[key])

@@ -31,10 +31,7 @@ def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> Audi
     try:
         with sf.SoundFile(io.BytesIO(data)) as handle:
             rate, channels, declared = handle.samplerate, handle.channels, handle.frames
-            if rate <= 0:
-                raise AudioError(f"the audio has an invalid sample rate ({rate} Hz)")
-            if channels > MAX_CHANNELS:
-                raise AudioError(f"the audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
+            _check_format(rate, channels)  # before any sample is read
             limit = int(max_seconds * rate)  # frames; one more proves the clip too long
             blocks, total = [], 0
             while total <= limit:
@@ -55,17 +52,21 @@ def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> Audi
     return validate_clip(samples, rate, max_seconds=max_seconds)
 
 
-def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
-    """Check an in-memory clip ([t] or [t, channels]) and mix it to mono float32."""
+def _check_format(sample_rate: int, channels: int) -> None:
     if sample_rate <= 0:
         raise AudioError(f"the audio has an invalid sample rate ({sample_rate} Hz)")
+    if channels > MAX_CHANNELS:
+        raise AudioError(f"the audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
+
+
+def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
+    """Check an in-memory clip ([t] or [t, channels]) and mix it to mono float32."""
     samples = np.asarray(samples, dtype=np.float32)
     if samples.ndim == 1:
         samples = samples[:, None]
     if samples.ndim != 2:
         raise AudioError(f"audio must be [samples] or [samples, channels], got shape {tuple(samples.shape)}")
-    if samples.shape[1] > MAX_CHANNELS:
-        raise AudioError(f"the audio has {samples.shape[1]} channels; at most {MAX_CHANNELS} are accepted")
+    _check_format(sample_rate, samples.shape[1])
     if samples.shape[0] == 0:
         raise AudioError("the audio holds no samples")
     if not np.isfinite(samples).all():

@@ -44,10 +44,10 @@ OUT = THREADS * PER_THREAD  # outputs a block
 MAX_ROWS = 65_535  # rows run on the grid's second axis
 INT32_MAX = 2**31 - 1  # sizes and strides go to the kernel as int
 
-# Compiled with THREADS, PER (= PER_THREAD), LEFT (the decimator's left padding, odd) and EPS defined in front. Positions: output i reads
-# oversampled sample m = 2i + k - LEFT at tap k, i.e. phase p = (k + LEFT) % 2 at input position j = i + d with
-# d = (k + 12 - LEFT) / 2 - 6, d in LOW ... LOW + 6. Slot q of the block's shared rows is position j0 + q,
-# j0 = first + LOW; the x slot q holds x[j0 - 3 + q].
+# Compiled with THREADS, PER (= PER_THREAD), LEFT (the decimator's left padding, odd) and EPS defined in front.
+# Positions: output i reads oversampled sample m = 2i + k - LEFT at tap k, i.e. phase p = (k + LEFT) % 2 at input
+# position j = i + d with d = (k + 12 - LEFT) / 2 - 6, d in LOW ... LOW + 6. Slot q of the block's shared rows is
+# position j0 + q, j0 = first + LOW; the x slot q holds x[j0 - 3 + q].
 SOURCE = r"""
 #define OUT (THREADS * PER)
 #define LOW ((12 - LEFT) / 2 - 6)
