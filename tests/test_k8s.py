@@ -398,7 +398,7 @@ def test_secrets_come_only_from_secrets(rendered, deploy_copy, target: str) -> N
         assert not set(SECRET_SETTINGS) & set(data), configmap["metadata"]["name"]
         assert urlparse(data.get("AUK_REDIS_URL", "redis://h/0")).password is None  # a password: Secret only
         for value in planted.values():
-            assert value not in json.dumps(data), f"{target}: a Secret value in ConfigMap {configmap['metadata']['name']}"
+            assert value not in json.dumps(data), f"{target}: a Secret value in {configmap['metadata']['name']}"
     for doc in docs:
         if doc["kind"] != "Secret":
             assert not any(value in json.dumps(doc) for value in planted.values()), f"{target}: {doc['kind']}"

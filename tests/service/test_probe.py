@@ -44,7 +44,8 @@ def test_verdicts(heartbeat: dict[str, str], ready: bool, live: bool) -> None:
 
 
 def test_verdicts_say_why() -> None:
-    assert "ConfigError: no checkpoint" in judge(beat("failed", error="ConfigError: no checkpoint"), NOW, 15, False).reason
+    failed = beat("failed", error="ConfigError: no checkpoint")
+    assert "ConfigError: no checkpoint" in judge(failed, NOW, 15, False).reason
     assert "stale" in judge(beat("ready", age=20), NOW, 15, False).reason
     assert "starting" in judge(beat("starting"), NOW, 15, False).reason
     assert "job j1" in judge(beat("busy", job_id="j1"), NOW, 15, False).reason
