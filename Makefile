@@ -27,13 +27,18 @@ run: setup
 demo-once: setup
 	$(PY) -m auk_worker.demo --once
 
-# docker-compose (Debian's) only validates docker-compose.yml in tests/test_compose.py; where it cannot be
+# docker-compose (Debian's) only validates docker-compose.yml in tests/test_compose.py, and kubectl only renders
+# deploy/ with its built-in kustomize (v5, kubectl 1.27 or newer) in tests/test_k8s.py; where either cannot be
 # installed those tests skip and say so.
 test: setup
 	@command -v docker-compose >/dev/null || { \
 	  echo "installing docker-compose (Debian package) to validate docker-compose.yml"; \
 	  (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 || \
 	  echo "docker-compose could not be installed: tests/test_compose.py will skip" >&2; }
+	@command -v kubectl >/dev/null || { \
+	  echo "installing kubectl (package kubectl) to render deploy/"; \
+	  (apt-get update -qq && apt-get install -y -qq kubectl) >/dev/null 2>&1 || \
+	  echo "kubectl could not be installed: tests/test_k8s.py will skip" >&2; }
 	$(PY) -m pytest -q
 
 test-fast: setup

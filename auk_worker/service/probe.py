@@ -1,0 +1,105 @@
+"""``python -m auk_worker.service.probe``: a worker container's health probe, read from its heartbeat in Redis.
+
+A solo Celery worker renders in its main thread and cannot answer a ping while busy, so the probe asks Redis
+instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>`` (``health.py`` rewrites it every
+2 s from a thread that keeps running through a long job) and exits 0 or 1, printing one line that says why. The
+kubelet (an exec probe) or a compose healthcheck records that line. It imports redis and the settings module,
+never torch, so a probe costs a fraction of a second.
+
+Two questions, one per flag:
+
+- default (readiness, start-up): is this worker serving? Its state is ``ready`` or ``busy`` and its ``ts`` is
+  younger than ``--max-age`` seconds. ``starting`` (pipeline loading), ``failed``, a stale or missing heartbeat,
+  or Redis out of reach: not serving.
+- ``--live`` (liveness): is this process still working? Any state but ``failed`` with a fresh ``ts`` passes, so
+  a worker busy on a long job is never restarted for it. When Redis cannot be reached the probe passes and says
+  so: restarting every worker does not bring Redis back, and the readiness probe already reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis
+
+from auk_worker.errors import ConfigError
+from auk_worker.service.health import heartbeat_key
+from auk_worker.service.settings import Settings
+
+SERVING_STATES = ("ready", "busy")
+DEFAULT_MAX_AGE_S = 15.0
+REDIS_TIMEOUT_S = 3.0  # well inside a probe's timeoutSeconds
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+
+
+def judge(beat: Mapping[str, str], now: float, max_age_s: float, live: bool) -> Verdict:
+    """The verdict on one heartbeat hash (empty when the key is missing or expired)."""
+    if not beat:
+        return Verdict(False, "no heartbeat (the worker has not started, or stopped writing for longer than its TTL)")
+    state = beat.get("state", "")
+    if state == "failed":
+        return Verdict(False, f"worker failed: {beat.get('error') or 'no error recorded'}")
+    try:
+        age = now - float(beat.get("ts", ""))
+    except ValueError:
+        return Verdict(False, f"heartbeat has no valid ts (state {state!r})")
+    if age > max_age_s:
+        return Verdict(False, f"heartbeat is stale: state {state!r}, written {age:.1f} s ago (limit {max_age_s:g} s)")
+    if live or state in SERVING_STATES:
+        job = f", job {beat['job_id']}" if beat.get("job_id") else ""
+        return Verdict(True, f"{state}{job}, heartbeat {age:.1f} s old")
+    return Verdict(False, f"not serving yet: state {state!r}, heartbeat {age:.1f} s old")
+
+
+def probe(worker_id: str, redis_url: str, max_age_s: float, live: bool) -> Verdict:
+    client = redis.Redis.from_url(redis_url, decode_responses=True, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                  socket_timeout=REDIS_TIMEOUT_S)  # fmt: skip
+    try:
+        beat = client.hgetall(heartbeat_key(worker_id))
+    except redis.RedisError as exc:
+        if live:
+            return Verdict(True, f"redis unreachable ({exc}); not a reason to restart this worker")
+        return Verdict(False, f"redis unreachable: {exc}")
+    finally:
+        client.close()
+    verdict = judge(beat, time.time(), max_age_s, live)
+    return Verdict(verdict.ok, f"worker {worker_id}: {verdict.reason}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--live", action="store_true", help="liveness: any state but failed, heartbeat fresh")
+    parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
+                        help=f"oldest acceptable heartbeat in seconds (default {DEFAULT_MAX_AGE_S:g})")  # fmt: skip
+    parser.add_argument("--worker-id", help="the worker whose heartbeat is read (default: AUK_WORKER_ID)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    worker_id = args.worker_id or os.environ.get("AUK_WORKER_ID", "").strip()
+    if not worker_id:
+        print("AUK_WORKER_ID is not set: the probe cannot tell which heartbeat is this worker's")
+        return 1
+    try:
+        redis_url = Settings.from_env().redis_url
+    except ConfigError as exc:
+        print(f"configuration error: {exc}")
+        return 1
+    verdict = probe(worker_id, redis_url, args.max_age, args.live)
+    print(verdict.reason)
+    return 0 if verdict.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
