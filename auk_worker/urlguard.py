@@ -320,13 +320,17 @@ def _is_blocked_name(host: str) -> bool:
 
 
 def pinned_request(client: httpx.Client, method: str, checked: CheckedUrl, *, headers: dict[str, str] | None = None,
-                   content: bytes | None = None, timeout: float | httpx.Timeout | None = None) -> httpx.Response:
+                   content: bytes | None = None, timeout: float | httpx.Timeout | None = None,
+                   stream: bool = False) -> httpx.Response:
     """Send one request to ``checked.address`` (not a fresh DNS answer), with the original ``Host`` header and, over
     TLS, the original host as the server name for SNI and certificate checks. Redirects are not followed: a 3xx
-    is returned as it is, since its target was never checked."""
+    is returned as it is, since its target was never checked. With ``stream`` the body is left unread (close the
+    response). For TLS, give a client that keeps no idle connections
+    (``httpx.Limits(max_keepalive_connections=0)``): a pooled connection to an address was verified for the host
+    that opened it, and would be reused for another host on the same address."""
     sent_headers = {**(headers or {}), "Host": checked.host_header}
     extensions = {"sni_hostname": checked.host} if checked.scheme == "https" else {}
     request = client.build_request(method, checked.pinned_url, headers=sent_headers, content=content,
                                    extensions=extensions,
                                    timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout)
-    return client.send(request, follow_redirects=False)
+    return client.send(request, follow_redirects=False, stream=stream)
