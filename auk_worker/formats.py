@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import soundfile as sf
@@ -87,13 +88,22 @@ def get_format(name: str) -> AudioFormat:
     """The format called ``name`` (case-insensitive); ``UnsupportedFormat`` naming the offered ones otherwise."""
     key = name.strip().lower() if isinstance(name, str) else name
     found = FORMATS.get(key)
-    if found is not None:
+    if found is not None and _written_here(found.container, found.subtype):
         return found
-    offered = ", ".join(FORMATS)
+    offered = ", ".join(name for name, spec in FORMATS.items() if _written_here(spec.container, spec.subtype))
+    if found is not None:
+        raise UnsupportedFormat(f"response format {key!r} is not available: this libsndfile build cannot write it; "
+                                f"choose one of {offered}")
     if key in UNAVAILABLE:
         reason = UNAVAILABLE[key]
         raise UnsupportedFormat(f"response format {key!r} is not available: {reason}; choose one of {offered}")
     raise UnsupportedFormat(f"unknown response format {name!r}; choose one of {offered}")
+
+
+@cache
+def _written_here(container: str, subtype: str) -> bool:
+    """Whether the loaded libsndfile writes this format (a system build may lack MP3, say)."""
+    return container in sf.available_formats() and subtype in sf.available_subtypes(container)
 
 
 def encode(waveform: np.ndarray, fmt: AudioFormat | str = DEFAULT_FORMAT, sample_rate: int = SAMPLE_RATE) -> bytes:

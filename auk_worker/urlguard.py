@@ -80,7 +80,9 @@ BLOCKED: tuple[tuple[str, tuple[IPNetwork, ...]], ...] = (
 )
 
 # Names that mean this machine or a metadata service wherever they resolve.
-BLOCKED_NAMES = ("localhost", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal")
+BLOCKED_NAMES = (
+    "localhost", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal",
+)
 
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _COMPAT = ipaddress.ip_network("::/96")

@@ -33,7 +33,8 @@ VECTOR_SIGNATURE = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
 def test_signature_matches_the_reference_vector() -> None:
     assert sign(VECTOR_SECRET, VECTOR_ID, VECTOR_TIMESTAMP, VECTOR_BODY) == VECTOR_SIGNATURE
     assert sign(VECTOR_SECRET.removeprefix("whsec_"), VECTOR_ID, VECTOR_TIMESTAMP, VECTOR_BODY) == VECTOR_SIGNATURE
-    headers = {"Webhook-Id": VECTOR_ID, "Webhook-Timestamp": str(VECTOR_TIMESTAMP), "Webhook-Signature": VECTOR_SIGNATURE}
+    headers = {"Webhook-Id": VECTOR_ID, "Webhook-Timestamp": str(VECTOR_TIMESTAMP),
+               "Webhook-Signature": VECTOR_SIGNATURE}  # header names are case-insensitive
     verify(VECTOR_SECRET, headers, VECTOR_BODY, now=VECTOR_TIMESTAMP + 10)
     verify(VECTOR_SECRET, headers, VECTOR_BODY.decode(), now=VECTOR_TIMESTAMP - 10)
 
@@ -89,7 +90,8 @@ def test_any_of_several_signatures_verifies() -> None:
 def test_event_body_is_compact_json_with_type_timestamp_and_data() -> None:
     at = datetime(2025, 1, 31, 22, 4, 5, 123000, tzinfo=timezone.utc)
     body = event_body("batch.completed", {"id": "b1", "counts": {"succeeded": 2}}, at)
-    assert body == b'{"type":"batch.completed","timestamp":"2025-01-31T22:04:05.123Z","data":{"id":"b1","counts":{"succeeded":2}}}'
+    assert body == (b'{"type":"batch.completed","timestamp":"2025-01-31T22:04:05.123Z",'
+                    b'"data":{"id":"b1","counts":{"succeeded":2}}}')
     assert json.loads(event_body("job.failed", {"note": "naïve"}))["data"]["note"] == "naïve"
     assert set(EVENT_TYPES) == {"job.succeeded", "job.failed", "job.canceled", "batch.completed"}
     with pytest.raises(ValueError, match="unknown webhook event type"):

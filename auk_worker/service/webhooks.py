@@ -54,7 +54,7 @@ import httpx
 import redis
 
 from auk_worker.errors import InputError
-from auk_worker.urlguard import UrlGuard, UrlNotAllowed, UrlPolicy, UrlUnresolvable, pinned_request
+from auk_worker.urlguard import UrlGuard, UrlPolicy, UrlUnresolvable, pinned_request
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class Delivery:
+    """One delivery as stored: its event body (the exact bytes sent and signed) and its attempts so far."""
+
     id: str
     owner: str
     url: str
@@ -392,7 +394,7 @@ class WebhookDispatcher:
         self.secrets = secrets
         self.guard = guard
         self.timeout_s = timeout_s
-        # The lease outlasts a request's connect, write and read timeouts together, with room for DNS.
+        # The lease outlasts a request's connect, write, read and pool timeouts (each up to timeout_s) and DNS.
         self.lease_s = 4 * timeout_s + 5
         self.threads = threads
         self.idle_s = idle_s

@@ -274,7 +274,8 @@ def test_enqueue_with_a_delivery_id_is_idempotent(redis_client) -> None:
     store = WebhookStore(redis_client)
     delivery_id = delivery_id_for("job", "abc123")
     assert delivery_id == "msg_job_abc123"
-    assert store.enqueue(OWNER, "https://example.com/a", "job.succeeded", {"n": 1}, delivery_id=delivery_id) == delivery_id
+    first = store.enqueue(OWNER, "https://example.com/a", "job.succeeded", {"n": 1}, delivery_id=delivery_id)
+    assert first == delivery_id
     store.enqueue(OWNER, "https://example.com/b", "job.failed", {"n": 2}, delivery_id=delivery_id)
     delivery = store.get(delivery_id)
     assert delivery.url == "https://example.com/a" and delivery.event_type == "job.succeeded"
