@@ -120,8 +120,9 @@ def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: 
         existing = svc.store.by_idempotency_key(owner, idempotency_key)
         if existing is not None:
             return _same_request(existing, request, idempotency_key), False
-    record = JobRecord.new(owner, prepare(request, ClipResolver(svc, owner)),
-                           queue=queue_name(request.variant, request.priority), custom_id=request.custom_id)  # fmt: skip
+    prepared = prepare(request, ClipResolver(svc, owner))
+    queue = queue_name(request.variant, request.priority)
+    record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
     record, created = svc.store.create(record, idempotency_key=idempotency_key)
     if not created:  # another request with the same key got there first
         return _same_request(record, request, idempotency_key), False

@@ -2,11 +2,10 @@
 
 A batch's jobs are sorted by their schedule (``rules.resolve_knobs``: unset knobs read as the deploy config's
 defaults, so an unset knob and its explicit default land together; Flash jobs all follow its one recipe) and then by
-target length, and cut into groups
-of at most ``max_num_seqs`` jobs (the deploy config's stage 1 limit) that share variant and schedule. Each group
-goes to the bulk queue as one ``auk.render_group`` task; the pipeline's ``render_batch`` pads and masks the group
-within its position budget. With ``max_num_seqs: 1`` there is nothing to group and every job stays an
-``auk.render`` task.
+target length, and cut into groups of at most ``max_num_seqs`` jobs (the deploy config's stage 1 limit) that share
+variant and schedule. Each group goes to the bulk queue as one ``auk.render_group`` task; the pipeline's
+``render_batch`` pads and masks the group within its position budget. With ``max_num_seqs: 1`` there is nothing to
+group and every job stays an ``auk.render`` task.
 
 No torch import: the API (which never imports torch) and the throughput benchmark call this.
 """

@@ -5,8 +5,8 @@ would render (``ceil(50 * gen_seconds) * 480`` samples, or the clip's whole fram
 per step, and imports no torch. It refuses, resolves and reports a request as the real one does: the same
 ``rules.py`` calls against the same deploy config's defaults (Flash pins its recipe). ``render_batch`` mirrors the
 real one: requests with the same step count share one loop of steps (so a group costs one request's delay), and a
-request that fails validation gets its error in its slot while the others go on. Its uses: the queue-overhead benchmark (the whole job path minus the model)
-and the service tests' fault scenarios.
+request that fails validation gets its error in its slot while the others go on. Its uses: the queue-overhead
+benchmark (the whole job path minus the model) and the service tests' fault scenarios.
 
 Test knob: ``AUK_INSTANT_STEP_DELAY`` (seconds, default 0) sleeps that long in every step, so a test can hold
 a job in the middle of its render long enough to kill the worker or stop storage.
