@@ -157,6 +157,21 @@ def test_batch_is_done_only_once_its_manifest_is_stored() -> None:
     assert batch_state(ended, 4, manifest_stored=True) == "done"
 
 
+def test_one_error_family_maps_to_the_statuses() -> None:
+    """Every caller fault is an InputError; api/errors.py maps each class (or its nearest mapped ancestor)."""
+    from api.errors import status_for_error
+    from auk_worker import errors
+
+    statuses = {cls.__name__: status_for_error(cls("x")) for cls in (
+        errors.MalformedBody, errors.Unauthorized, errors.NotFound, errors.Conflict, errors.TooLarge,
+        errors.UnsupportedMediaType, errors.InputError, errors.AudioError, errors.InfraError, errors.ModelError)}
+    assert statuses == {"MalformedBody": 400, "Unauthorized": 401, "NotFound": 404, "Conflict": 409, "TooLarge": 413,
+                        "UnsupportedMediaType": 415, "InputError": 422, "AudioError": 422, "InfraError": 503,
+                        "ModelError": 500}  # fmt: skip
+    assert all(issubclass(cls, errors.InputError) for cls in (errors.MalformedBody, errors.Unauthorized,
+               errors.NotFound, errors.Conflict, errors.TooLarge, errors.UnsupportedMediaType))  # fmt: skip
+
+
 def test_api_refuses_to_start_without_keys(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}
     env.update({"PYTHONPATH": str(REPO), "AUK_S3_ENDPOINT": "http://127.0.0.1:9", "AUK_S3_ACCESS_KEY": "a",
