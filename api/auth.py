@@ -10,7 +10,7 @@ import hmac
 
 from fastapi import Request
 
-from api.errors import ApiError
+from auk_worker.errors import Unauthorized
 from auk_worker.service.jobs import owner_id
 
 
@@ -25,16 +25,12 @@ class KeyRing:
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise _unauthorized("missing bearer token: send 'Authorization: Bearer <API key>'")
+            raise Unauthorized("missing bearer token: send 'Authorization: Bearer <API key>'")
         candidate = token.encode("utf-8")
         matches = [hmac.compare_digest(candidate, key) for key in self._keys]  # every key compared, always
         if not any(matches):
-            raise _unauthorized("the API key is not valid")
+            raise Unauthorized("the API key is not valid")
         return owner_id(token)
-
-
-def _unauthorized(message: str) -> ApiError:
-    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
 
 
 def caller(request: Request) -> str:

@@ -1,9 +1,11 @@
 """Errors as the API answers them: the one place that maps error kinds and job states to HTTP.
 
-Every error leaves the API as JSON ``{"error": {"code": ..., "message": ...}}`` with a 4xx status that says
-whose fault it is: a malformed body is 400, a body that parses but breaks a rule is 422 (naming the field),
-an oversized upload 413, an unknown or foreign job 404, cancelling a finished job 409. Only a dependency
-being down is a 5xx (503, retry later); anything unexpected is a logged 500, the last resort.
+Every caller fault is an ``InputError`` (``auk_worker/errors.py``) raised wherever it is found; ``STATUS`` maps its
+class to the HTTP status, and each error leaves the API as JSON ``{"error": {"code", "message", "details"?}}``.
+A malformed body is 400, a missing or bad key 401, an unknown or foreign job 404, cancelling a finished job 409, an
+oversized body 413, an unreadable content type 415, and a body that parses but breaks a rule 422 (naming the
+field). Only a dependency being down is a 5xx (503, retry later); anything unexpected is a logged 500, the last
+resort.
 """
 
 from __future__ import annotations
@@ -19,49 +21,57 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from auk_worker.errors import AuKError, InfraError, InputError
+from auk_worker.errors import (
+    AuKError,
+    Conflict,
+    InfraError,
+    InputError,
+    MalformedBody,
+    NotFound,
+    TooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from auk_worker.service.jobs import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "5"  # what a 503 (a dependency down) tells the client to wait before trying again
 
-
-class ApiError(Exception):
-    """An answer the API gives on purpose: an HTTP status, a stable code and a sentence naming the problem."""
-
-    def __init__(self, status: int, code: str, message: str, *, details: Any = None,
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.details = details
-        self.headers = dict(headers or {})
-
-
-def not_found(what: str, ident: str) -> ApiError:
-    """Unknown and foreign resources look the same, so that ids of other keys' jobs leak nothing."""
-    return ApiError(404, "not_found", f"no {what} {ident!r}")
-
-
-def too_large(what: str, limit: int) -> ApiError:
-    return ApiError(413, "too_large", f"{what} is larger than the limit of {limit} bytes")
+# The service's error classes as HTTP statuses: the nearest class in an error's ancestry decides; others are 500.
+STATUS: dict[type[AuKError], int] = {
+    MalformedBody: 400,
+    Unauthorized: 401,
+    NotFound: 404,
+    Conflict: 409,
+    TooLarge: 413,
+    UnsupportedMediaType: 415,
+    InputError: 422,
+    InfraError: 503,
+}
+HEADERS: dict[type[AuKError], dict[str, str]] = {
+    Unauthorized: {"WWW-Authenticate": "Bearer"},
+    InfraError: {"Retry-After": RETRY_AFTER_S},
+}
 
 
 def status_for_error(exc: AuKError) -> int:
     """HTTP status for the service's own error family."""
-    if isinstance(exc, InputError):
-        return 422
-    if isinstance(exc, InfraError):
-        return 503
-    return 500
+    return next((STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS), 500)
+
+
+def headers_for_error(exc: AuKError) -> dict[str, str] | None:
+    return next((HEADERS[cls] for cls in type(exc).__mro__ if cls in HEADERS), None)
+
+
+def too_large(what: str, limit: int) -> TooLarge:
+    return TooLarge(f"{what} is larger than the limit of {limit} bytes")
 
 
 def require_cancelable(status: JobStatus, job_id: str) -> None:
     """A finished job keeps its final state: cancelling it is a conflict, not a silent no-op."""
     if status in TERMINAL:
-        raise ApiError(409, "already_finished", f"job {job_id!r} is already {status.value} and cannot be canceled")
+        raise Conflict(f"job {job_id!r} is already {status.value} and cannot be canceled", code="already_finished")
 
 
 def batch_state(counts: Mapping[str, int], total: int, manifest_stored: bool) -> str:
@@ -127,15 +137,18 @@ def _invalid(described: Sequence[Mapping[str, str]]) -> JSONResponse:
                         status_code=422)
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=exc.headers)
-
-
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc)
+def error_response(exc: AuKError) -> JSONResponse:
+    """The answer to one of the service's own errors: its mapped status, code, message and details."""
+    details = exc.details if isinstance(exc, InputError) else None
+    return JSONResponse(_body(exc.code, exc.message, details), status_code=status_for_error(exc),
+                        headers=headers_for_error(exc))  # fmt: skip
 
 
 _NOT_OBJECT = {"model_attributes_type", "dict_type", "model_type"}
+
+
+def _malformed_json(message: str) -> JSONResponse:
+    return error_response(MalformedBody(message, code="malformed_json"))
 
 
 async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -144,14 +157,12 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
     if bad_json:
         ctx = bad_json[0].get("ctx") or {}
         reason = ctx.get("error") or bad_json[0].get("msg", "")
-        return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
+        return _malformed_json(f"the request body is not valid JSON: {reason}")
     whole_body = [e.get("type") for e in errors if tuple(e.get("loc", ())) == ("body",)]
     if "missing" in whole_body:
-        message = "the request body is empty: send a JSON object with Content-Type: application/json"
-        return JSONResponse(_body("malformed_json", message), status_code=400)
+        return _malformed_json("the request body is empty: send a JSON object with Content-Type: application/json")
     if _NOT_OBJECT & set(whole_body):
-        message = "the request body must be a JSON object sent with Content-Type: application/json"
-        return JSONResponse(_body("malformed_json", message), status_code=400)
+        return _malformed_json("the request body must be a JSON object sent with Content-Type: application/json")
     return _invalid(describe_validation_errors(errors, skip=("body", "query", "path", "header")))
 
 
@@ -160,19 +171,16 @@ async def _pydantic_validation(_: Request, exc: ValidationError) -> JSONResponse
 
 
 async def _auk_error(request: Request, exc: AuKError) -> JSONResponse:
-    status = status_for_error(exc)
-    if status >= 500:
+    if status_for_error(exc) >= 500:
         log.warning("%s %s: %s (%s)", request.method, request.url.path, exc.message, exc.code)
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
-    return JSONResponse(_body(exc.code, exc.message), status_code=status, headers=headers)
+    return error_response(exc)
 
 
 async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
     if isinstance(exc, redis.ResponseError):  # Redis answered and refused a command: a fault here, not an outage
         return await _unexpected(request, exc)
     log.warning("%s %s: redis: %s", request.method, request.url.path, exc)
-    message = f"the job store (Redis) is unreachable: {exc}"
-    return JSONResponse(_body(InfraError.code, message), status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+    return error_response(InfraError(f"the job store (Redis) is unreachable: {exc}"))
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -182,7 +190,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     # the cause it chains says what was wrong.
     reason = json_failure(exc.__cause__)
     if reason is not None:
-        return JSONResponse(_body("malformed_json", f"the request body is not valid JSON: {reason}"), status_code=400)
+        return _malformed_json(f"the request body is not valid JSON: {reason}")
     if exc.status_code == 404 and message == "Not Found":
         message = "no such endpoint"
     return JSONResponse(_body(codes.get(exc.status_code, "http_error"), message), status_code=exc.status_code,
@@ -195,7 +203,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(ValidationError, _pydantic_validation)
     app.add_exception_handler(AuKError, _auk_error)

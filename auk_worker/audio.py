@@ -1,18 +1,21 @@
 """Input audio: decode any file soundfile reads, mix to mono, resample with soxr, and refuse bad clips.
 
-Torch-free on purpose: the API validates uploads with the same code the worker uses.
+Torch-free on purpose: the API validates uploads with the same code the worker uses. A clip that passed the checks
+is a ``CheckedClip``; the pipeline takes one as it is, so a worker checks each job's clip once, when it decodes it.
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 
 import numpy as np
 import soundfile as sf
 import soxr
 
 from auk_worker.errors import AudioError
-from auk_worker.types import MAX_TOTAL_SECONDS, MIN_CLIP_SAMPLES_24K, SAMPLE_RATE, AudioClip
+from auk_worker.rules import MAX_TOTAL_SECONDS, MIN_CLIP_SAMPLES_24K, resampled_length
+from auk_worker.types import SAMPLE_RATE, AudioClip
 
 THINKER_SAMPLE_RATE = 16_000  # the Whisper-style feature extractor's rate
 MAX_CHANNELS = 8
@@ -20,7 +23,13 @@ MAX_PEAK = 1000.0  # full scale is 1.0; far louder than any real recording, far 
 _READ_BLOCK = 1 << 16  # frames a read: a header that lies about the length never sizes an allocation
 
 
-def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
+@dataclass(frozen=True)
+class CheckedClip(AudioClip):
+    """A clip ``validate_clip`` made (mono float32, finite, within the length and peak limits). Only
+    ``validate_clip`` and ``decode_audio`` make one; ``checked_clip`` passes it on without checking it again."""
+
+
+def decode_audio(data: bytes, *, max_seconds: float = MAX_TOTAL_SECONDS) -> CheckedClip:
     """Decode an encoded clip (WAV, FLAC, OGG, ...) into mono float32 at its own sample rate.
 
     The file is read in blocks and no further than ``max_seconds`` allows, so a header that declares a huge length
@@ -59,7 +68,7 @@ def _check_format(sample_rate: int, channels: int) -> None:
         raise AudioError(f"the audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
 
 
-def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float = MAX_TOTAL_SECONDS) -> AudioClip:
+def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float = MAX_TOTAL_SECONDS) -> CheckedClip:
     """Check an in-memory clip ([t] or [t, channels]) and mix it to mono float32."""
     samples = np.asarray(samples, dtype=np.float32)
     if samples.ndim == 1:
@@ -83,16 +92,19 @@ def validate_clip(samples: np.ndarray, sample_rate: int, *, max_seconds: float =
         raise AudioError(f"the audio is {duration * 1000:.1f} ms long; at least {min_seconds * 1000:.0f} ms is needed")
     # A mono clip is copied as it is: numpy's mean over an axis of one is ten times slower than the copy.
     mono = samples[:, 0].copy() if samples.shape[1] == 1 else samples.mean(axis=1, dtype=np.float32)
-    return AudioClip(samples=mono, sample_rate=int(sample_rate))  # both forms are new contiguous arrays
+    return CheckedClip(samples=mono, sample_rate=int(sample_rate))  # both forms are new contiguous arrays
 
 
-def resampled_length(samples: int, from_rate: int, to_rate: int) -> int:
-    """How many samples ``resample`` returns for a clip of ``samples``: ceil(samples * to / from)."""
-    return -(-samples * to_rate // from_rate)
+def checked_clip(clip: AudioClip) -> CheckedClip:
+    """``clip`` itself when ``validate_clip`` made it; else the clip checked now (an in-memory clip handed over)."""
+    if isinstance(clip, CheckedClip):
+        return clip
+    return validate_clip(clip.samples, clip.sample_rate)
 
 
 def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """soxr HQ resampling of a mono clip, padded or trimmed to ``resampled_length`` samples."""
+    """soxr HQ resampling of a mono clip, padded or trimmed to ``resampled_length`` samples (the length the 30 s
+    rule counts, ``rules.py``)."""
     if from_rate == to_rate:
         return samples.astype(np.float32, copy=False)
     out = soxr.resample(samples, from_rate, to_rate, quality="HQ").astype(np.float32, copy=False)

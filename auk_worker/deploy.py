@@ -4,6 +4,10 @@ The YAML follows the two-stage layout the service was specified with (stage 0: t
 stage 1: DiT + VAE). Every field is parsed into a frozen dataclass; an unknown key or a bad value is a
 ConfigError naming the field's path (``stages[1].model_config.max_dit_graphs``). Architecture never
 lives here: layer counts come from the checkpoint's own config.yaml.
+
+The sampling defaults live here and nowhere else: stage 1's ``default_sampling_params`` must state the seed, the
+step count and the guidance scale (the loader names a missing one), and every request's unset knob takes them
+(``rules.resolve_knobs``). Their bounds are the requests' own, from ``rules.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from auk_worker import rules
 from auk_worker.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "auk.yaml"
@@ -63,9 +68,14 @@ class DiTModelConfig:
 
 @dataclass(frozen=True)
 class DiTSampling:
-    seed: int = 0
-    num_inference_steps: int = 32
-    guidance_scale: float = 2.0
+    """What a request's unset knobs take. The three the specified config states are required; sway, which it does
+    not state, is the one field with a default: -1.0, the model's own sampler default (auk-model.md section 4), so a
+    config copied from the specification renders the upstream recipe without gaining a field the specification lacks.
+    """
+
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
     sway: float = -1.0
 
 
@@ -81,8 +91,8 @@ class DiTStage:
     gpu_memory_utilization: float = 0.35
     enforce_eager: bool = False
     model_config: DiTModelConfig = field(default_factory=DiTModelConfig)
-    default_sampling_params: DiTSampling = field(default_factory=DiTSampling)
     dtype: DiTDtype = "auto"
+    default_sampling_params: DiTSampling = field(kw_only=True)  # required: the sampling defaults live here alone
 
 
 @dataclass(frozen=True)
@@ -187,13 +197,10 @@ def _check(config: DeployConfig) -> None:
         raise ConfigError(f"stages[1].model_config.auk_vae_tile_frames: {tile} leaves no room for the 62-frame halo")
     if config.encoder.default_sampling_params.max_tokens != 1:
         raise ConfigError("stages[0].default_sampling_params.max_tokens: must be 1 (the encoder runs one prefill forward)")
-    sampling = config.defaults
-    if not 1 <= sampling.num_inference_steps <= 1000:
-        raise ConfigError("stages[1].default_sampling_params.num_inference_steps: must be in [1, 1000]")
-    if not -1.0 <= sampling.sway <= 0.0:
-        raise ConfigError("stages[1].default_sampling_params.sway: must be in [-1, 0]")
-    if sampling.guidance_scale < 0:
-        raise ConfigError("stages[1].default_sampling_params.guidance_scale: must be >= 0")
+    for bound in (rules.SEED, rules.STEPS, rules.GUIDANCE, rules.SWAY):
+        problem = bound.problem(getattr(config.defaults, bound.name))
+        if problem is not None:
+            raise ConfigError(f"stages[1].default_sampling_params.{bound.name}: {problem}")
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -204,10 +211,14 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 
 def _build_fields(cls: type, raw: dict, where: str, skip: set[str] = frozenset()) -> dict:
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)} - set(skip)
+    fields = [f for f in dataclasses.fields(cls) if f.name not in skip]
+    known = {f.name for f in fields}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{_join(where, unknown[0])}: unknown field (known: {', '.join(sorted(known))})")
+    for f in fields:
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{_join(where, f.name)}: required field missing")
     return {name: _coerce(hints[name], value, _join(where, name)) for name, value in raw.items()}
 
 

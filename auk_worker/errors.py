@@ -2,7 +2,9 @@
 
 Three kinds, each with a stable ``code`` that ends up in a failed job's record:
 
-- ``InputError``: the caller's fault (bad audio, bad parameters). Never retried.
+- ``InputError``: the caller's fault (bad audio, bad parameters, an unknown id, a body too large...). Never
+  retried. Its subclasses say which fault when the API must answer it with its own status (``api/errors.py`` holds
+  the one mapping from these classes to HTTP statuses).
 - ``InfraError``: storage, Redis or another dependency is unreachable. Retried with backoff.
 - ``ModelError``: the model could not render (checkpoint problems, non-finite output, out of memory).
 
@@ -11,6 +13,8 @@ turns an exception into a record or an exit status.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class AuKError(Exception):
@@ -29,15 +33,56 @@ class AuKError(Exception):
 
 
 class InputError(AuKError, ValueError):
-    """The request or its audio is invalid; retrying cannot help."""
+    """The request or its audio is invalid; retrying cannot help. ``details`` (JSON) lists the parts at fault, e.g.
+    a batch's bad lines."""
 
     code = "invalid_input"
+
+    def __init__(self, message: str, *, code: str | None = None, details: Any = None) -> None:
+        super().__init__(message, code=code)
+        self.details = details
 
 
 class AudioError(InputError):
     """The audio clip is empty, not audio, non-finite, too short or too long."""
 
     code = "invalid_audio"
+
+
+class MalformedBody(InputError):
+    """The request body cannot be read at all (not UTF-8, not the expected encoding)."""
+
+    code = "malformed_body"
+
+
+class Unauthorized(InputError):
+    """No API key, or one that is not valid."""
+
+    code = "unauthorized"
+
+
+class NotFound(InputError):
+    """No such job, batch or upload for this caller (another key's look the same)."""
+
+    code = "not_found"
+
+
+class Conflict(InputError):
+    """The resource's state forbids the change (cancelling a finished job)."""
+
+    code = "conflict"
+
+
+class TooLarge(InputError):
+    """A request body over its limit."""
+
+    code = "too_large"
+
+
+class UnsupportedMediaType(InputError):
+    """A body in a content type the endpoint does not read."""
+
+    code = "unsupported_media_type"
 
 
 class CheckpointError(AuKError):

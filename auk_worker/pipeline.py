@@ -13,7 +13,6 @@ on the CPU; ``float8`` picks ``fp8``.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,8 @@ from auk_worker.accel import (
     StepGraphs,
     cublas_without_workspace,
 )
-from auk_worker.audio import THINKER_SAMPLE_RATE, resample, resampled_length, validate_clip
+from auk_worker import rules
+from auk_worker.audio import THINKER_SAMPLE_RATE, checked_clip, resample, resampled_length
 from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, ConfigError, InputError, ModelError, OutOfMemory
@@ -55,17 +55,14 @@ from auk_worker.model.sampling import (
 )
 from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.vae import AuKVAE, load_vae, plan_tiles
+from auk_worker.rules import MAX_SEED, MAX_TOTAL_FRAMES, MAX_TOTAL_SECONDS
 from auk_worker.types import (
     FRAME_RATE,
     HOP,
-    MAX_TOTAL_FRAMES,
-    MAX_TOTAL_SECONDS,
     SAMPLE_RATE,
     AudioClip,
     RenderRequest,
     RenderResult,
-    check_total_frames,
-    frames_for_seconds,
 )
 
 log = logging.getLogger(__name__)
@@ -79,7 +76,6 @@ TEXT_BUCKET = 32  # prompt tokens
 REF_BUCKET = 25  # reference frames
 
 VAE_SEED_OFFSET = 0x5EED0A0C  # the posterior draw uses its own generator so it never moves the noise
-MAX_SEED = 2**63
 WARM_UP_INSTRUCTION = (
     'Generate speech based on the following description: "A clear, natural voice." '
     'The content to speak is: "The quick brown fox jumps over the lazy dog."'
@@ -296,34 +292,20 @@ class AuKPipeline:
     # ------------------------------------------------------------------ request resolution
 
     def schedule(self, request: RenderRequest) -> Schedule:
-        defaults = self.deploy.defaults
-        seed = defaults.seed if request.seed is None else request.seed
-        if not 0 <= seed < MAX_SEED:
-            raise InputError(f"seed must be in [0, 2^63), got {seed}")
-        if self.variant == "flash":
-            # The distilled student has one recipe: 4 fixed steps without CFG (CFG blows up its amplitude).
+        """The request's knobs resolved against the deploy config's defaults (``rules.resolve_knobs``; Flash pins
+        its recipe), as a time grid."""
+        knobs = rules.request_knobs(self.variant, self.deploy.defaults, request)
+        if knobs.fixed_grid:
             grid = torch.tensor(FLASH_T_GRID, dtype=torch.float32)
-            return Schedule(grid=grid, guidance_scale=0.0, seed=seed)
-        steps = defaults.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
-        sway = defaults.sway if request.sway is None else request.sway
-        scale = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
-        if not 0.0 <= scale <= 20.0:
-            raise InputError(f"guidance_scale must be in [0, 20], got {scale}")
-        return Schedule(grid=time_grid(steps, sway), guidance_scale=float(scale), seed=seed)
+        else:
+            grid = time_grid(knobs.num_inference_steps, knobs.sway)
+        return Schedule(grid=grid, guidance_scale=knobs.guidance_scale, seed=knobs.seed)
 
     @staticmethod
     def target_frames(request: RenderRequest, clip_samples_24k: int) -> int:
-        """ceil(50 * gen_seconds), or the clip's whole frames; clip plus target at most 30 s."""
-        if request.gen_seconds is not None:
-            if not (request.gen_seconds > 0 and math.isfinite(request.gen_seconds)):
-                raise InputError(f"gen_seconds must be a positive number, got {request.gen_seconds}")
-            frames = frames_for_seconds(request.gen_seconds)
-        elif request.audio is not None:
-            frames = clip_samples_24k // HOP
-        else:
-            raise InputError("gen_seconds is required when no audio is given")
-        check_total_frames(frames, clip_samples_24k // HOP)
-        return frames
+        """ceil(50 * gen_seconds), or the clip's whole frames; clip plus target at most 30 s (``rules.py``)."""
+        clip = None if request.audio is None else rules.clip_frames(clip_samples_24k, SAMPLE_RATE)
+        return rules.target_frames(request.gen_seconds, clip)
 
     # ------------------------------------------------------------------ rendering
 
@@ -386,13 +368,13 @@ class AuKPipeline:
     def _conditioned(self, request: RenderRequest, index: int = 0) -> _Job:
         """Validate a request and run what is per request: the prompt's embeddings (processor, audio tower), the
         reference encode, the noise draw. The thinker's text model runs after, for several jobs at once."""
-        if not request.instruction or not request.instruction.strip():
-            raise InputError("instruction must be a non-empty string")
+        rules.check_instruction(request.instruction)
         schedule = self.schedule(request)
         clip_24k = pending_16k = None
         if request.audio is not None:
-            # The same rules as an uploaded file (length, finite samples), for clips handed over in memory.
-            validate_clip(request.audio.samples, request.audio.sample_rate)
+            # The same rules as an uploaded file (length, finite samples), for clips handed over in memory; a clip
+            # decode_audio made (a worker's job) was checked then.
+            checked_clip(request.audio)
             # The thinker hears the ORIGINAL clip at 16 kHz, not the 24 kHz copy the VAE encodes. soxr lets go of
             # the GIL, so that copy is made on a host thread while this one makes the other and launches its encode.
             pending_16k = self._resampler.submit(

@@ -85,3 +85,30 @@ def test_shared_device_cannot_be_oversubscribed():
     raw = mutate(["stages", 0, "gpu_memory_utilization"], 0.7)
     with pytest.raises(ConfigError, match="ask for 1.05 > 1"):
         parse_deploy_config(raw)
+
+
+@pytest.mark.parametrize("field", ["seed", "num_inference_steps", "guidance_scale"])
+def test_sampling_defaults_are_stated_in_the_config_or_refused(field):
+    """The deploy config is the one home of the defaults: a stage 1 that omits one is refused by name."""
+    raw = raw_config()
+    del raw["stages"][1]["default_sampling_params"][field]
+    with pytest.raises(ConfigError, match=rf"stages\[1\].default_sampling_params.{field}: required field missing"):
+        parse_deploy_config(raw)
+    del raw["stages"][1]["default_sampling_params"]
+    with pytest.raises(ConfigError, match=r"stages\[1\].default_sampling_params: required field missing"):
+        parse_deploy_config(raw)
+
+
+def test_sway_has_the_models_default_and_may_be_stated():
+    assert load_deploy_config(ROOT / "config" / "auk.yaml").defaults.sway == -1.0
+    assert parse_deploy_config(mutate(["stages", 1, "default_sampling_params", "sway"], -0.5)).defaults.sway == -0.5
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("guidance_scale", 25.0, r"guidance_scale: must be in \[0, 20\]"),
+    ("sway", 0.5, r"sway: must be in \[-1, 0\]"),
+    ("seed", -1, r"seed: must be in \[0, 2\^63\) \(an integer\)"),
+])
+def test_sampling_defaults_keep_the_requests_bounds(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_deploy_config(mutate(["stages", 1, "default_sampling_params", field], value))

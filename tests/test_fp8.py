@@ -109,7 +109,8 @@ def test_fp8_precision_renders_the_tiny_checkpoint(tmp_path) -> None:
 
 def test_deploy_dtype_float8_selects_fp8(tmp_path) -> None:
     config = tmp_path / "fp8.yaml"
-    config.write_text("stages:\n  - stage_id: 0\n  - stage_id: 1\n    dtype: float8\n")
+    config.write_text("stages:\n  - stage_id: 0\n  - stage_id: 1\n    dtype: float8\n"
+                      "    default_sampling_params: {seed: 0, num_inference_steps: 32, guidance_scale: 2.0}\n")
     assert load_deploy_config(config).dit.dtype == "float8"
     assert resolve_precision("float8", torch.device("cpu")) == "fp8"
     assert fp8_supported(torch.device("cpu"))

@@ -296,11 +296,14 @@ def test_render_command_refuses_a_directory_that_is_no_checkpoint(tmp_path):
 @pytest.mark.parametrize("gen_seconds", [10.0, 10.0000005, 10.01, 9.99])
 def test_the_api_and_the_engine_apply_one_length_rule(clip_seconds, gen_seconds):
     """Near 30 s the API must refuse exactly what the worker would refuse (frames, not seconds)."""
-    from auk_worker.service.schema import AudioRef, JobRequest, check_total_length
+    from api.submit import record_request
+    from auk_worker.service.schema import AudioRef, JobRequest
 
     gen_seconds = gen_seconds + (20.0 if clip_seconds == 0.0 else 0.0)
     audio = AudioRef(key="clip.wav") if clip_seconds else None
     job = JobRequest(instruction=INSTRUCT, audio=audio, gen_seconds=min(gen_seconds, 30.0))
+    samples = round(clip_seconds * 24_000)
+    clip = {"bucket": "b", "key": "clip.wav", "duration_s": clip_seconds, "sample_rate": 24_000, "samples": samples}
 
     def verdict(check) -> bool:
         try:
@@ -309,7 +312,30 @@ def test_the_api_and_the_engine_apply_one_length_rule(clip_seconds, gen_seconds)
             return False
         return True
 
-    api = verdict(lambda: check_total_length(job, clip_seconds or None))
-    request = RenderRequest(INSTRUCT, gen_seconds=job.gen_seconds)
-    engine = verdict(lambda: AuKPipeline.target_frames(request, round(clip_seconds * 24_000)))
+    api = verdict(lambda: record_request(job, clip if clip_seconds else None))
+    in_memory = AudioClip(np.zeros(samples, np.float32), 24_000) if clip_seconds else None
+    request = RenderRequest(INSTRUCT, audio=in_memory, gen_seconds=job.gen_seconds)
+    engine = verdict(lambda: AuKPipeline.target_frames(request, samples))
     assert api == engine
+
+
+@pytest.mark.parametrize("variant", ["base", "flash"])
+@pytest.mark.parametrize("knobs", [{}, {"guidance_scale": 0.0}, {"num_inference_steps": 5, "guidance_scale": 3.5,
+                                                                 "sway": -0.5, "seed": 11}])
+def test_the_instant_pipeline_reports_what_the_real_one_would(pipes, variant, knobs):
+    """The model-free pipeline resolves a request as the real one does, from the same deploy config: an explicit
+    guidance of 0.0 stays 0.0, unset knobs take the config's defaults, Flash pins its recipe."""
+    from auk_worker.service.instant import InstantPipeline
+
+    pipe = pipes[variant]
+    request = RenderRequest(INSTRUCT, gen_seconds=0.3, **knobs)
+    schedule = pipe.schedule(request)
+    result = InstantPipeline(pipe.variant, pipe.deploy).render(request)
+    assert (result.num_inference_steps, result.guidance_scale, result.seed) == (
+        schedule.num_steps, schedule.guidance_scale, schedule.seed)
+
+
+def test_the_flash_recipe_of_the_rules_is_its_grid():
+    from auk_worker import rules
+
+    assert rules.FLASH_STEPS == len(FLASH_T_GRID) - 1

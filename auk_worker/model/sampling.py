@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from auk_worker.errors import InputError, ModelError
+from auk_worker.rules import MAX_STEPS, STEPS, SWAY  # noqa: F401 - MAX_STEPS sizes the step graphs' grid (accel)
 
 if TYPE_CHECKING:
     from auk_worker.model.dit import AuKDiT, DiTContext
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 # AuK-Flash's fixed 4-step grid (equal to the sway -1 grid for 4 steps: 1 - cos(k * pi / 8)).
 FLASH_T_GRID = (0.0, 0.07612049579620361, 0.2928932309150696, 0.6173166036605835, 1.0)
 
-MAX_STEPS = 1000
 # Below this guidance scale the unconditional branch is skipped entirely (as upstream does).
 MIN_GUIDANCE = 1e-5
 
@@ -35,10 +35,9 @@ StepCallback = Callable[[int, int], None]  # (steps done, total steps)
 
 def time_grid(num_steps: int, sway: float | None, device: torch.device | str | None = None) -> Tensor:
     """fp32 grid [num_steps + 1]: u = linspace(0, 1), bent by sway s as u + s * (cos(pi u / 2) - 1 + u)."""
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 1 <= num_steps <= MAX_STEPS:
-        raise InputError(f"num_inference_steps must be an integer in [1, {MAX_STEPS}], got {num_steps!r}")
-    if sway is not None and (isinstance(sway, bool) or not isinstance(sway, (int, float)) or not -1.0 <= sway <= 0.0):
-        raise InputError(f"sway must be a number in [-1, 0] or unset, got {sway!r}")
+    STEPS.check(num_steps)
+    if sway is not None:
+        SWAY.check(sway)
     u = torch.linspace(0, 1, num_steps + 1, dtype=torch.float32, device=device)
     if sway is None:
         return u

@@ -1,11 +1,11 @@
 """Bulk grouping: which queued jobs a worker renders together in one DiT pass, decided when a batch is enqueued.
 
-A batch's jobs are sorted by their schedule knobs (steps, guidance, sway; unset knobs read as the deploy config's
-defaults, so an unset knob and its explicit default land together) and then by target length, and cut into groups
-of at most ``max_num_seqs`` jobs (the deploy config's stage 1 limit) that share variant and schedule. Each group
-goes to the bulk queue as one ``auk.render_group`` task; the pipeline's ``render_batch`` pads and masks the group
-within its position budget. With ``max_num_seqs: 1`` there is nothing to group and every job stays an
-``auk.render`` task.
+A batch's jobs are sorted by their schedule (``rules.resolve_knobs``: unset knobs read as the deploy config's
+defaults, so an unset knob and its explicit default land together; Flash jobs all follow its one recipe) and then by
+target length, and cut into groups of at most ``max_num_seqs`` jobs (the deploy config's stage 1 limit) that share
+variant and schedule. Each group goes to the bulk queue as one ``auk.render_group`` task; the pipeline's
+``render_batch`` pads and masks the group within its position budget. With ``max_num_seqs: 1`` there is nothing to
+group and every job stays an ``auk.render`` task.
 
 No torch import: the API (which never imports torch) and the throughput benchmark call this.
 """
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from auk_worker import rules
 from auk_worker.deploy import DiTSampling, load_deploy_config
 from auk_worker.errors import ConfigError
 from auk_worker.service.jobs import JobRecord
@@ -25,6 +26,7 @@ from auk_worker.service.jobs import JobRecord
 log = logging.getLogger(__name__)
 
 RENDER_GROUP_TASK = "auk.render_group"  # args: [job ids], all bulk jobs of one variant
+KNOB_FIELDS = ("num_inference_steps", "guidance_scale", "sway", "seed")  # the request fields resolve_knobs takes
 
 
 @functools.lru_cache(maxsize=8)
@@ -33,33 +35,25 @@ def _limits(deploy_config: str) -> tuple[int, DiTSampling]:
     return deploy.dit.max_num_seqs, deploy.defaults
 
 
-def group_limits(deploy_config: str | Path) -> tuple[int, DiTSampling]:
+def group_limits(deploy_config: str | Path) -> tuple[int, DiTSampling | None]:
     """``(max_num_seqs, sampling defaults)`` of the deploy config's stage 1, read once per path.
 
-    A config that does not load (the API host lacks it, or it is malformed) gives 1 and the built-in defaults:
-    every job is then sent on its own, which is always correct, only slower; the reason is logged.
+    A config that does not load (the API host lacks it, or it is malformed) gives ``(1, None)``: every job is then
+    sent on its own, which is always correct, only slower, and needs no defaults; the reason is logged.
     """
     try:
         return _limits(str(deploy_config))
     except (ConfigError, OSError) as exc:
         message = exc.message if isinstance(exc, ConfigError) else str(exc)
         log.warning("deploy config %s unreadable (%s); bulk jobs are sent one at a time", deploy_config, message)
-        return 1, DiTSampling()
+        return 1, None
 
 
 def schedule_key(request: dict[str, Any], defaults: DiTSampling) -> tuple:
-    """(variant, steps, guidance, sway) of a record's request: equal keys can share a DiT pass."""
-
-    def knob(name: str) -> float:
-        value = request.get(name)
-        return getattr(defaults, name) if value is None else value
-
-    return (
-        request.get("variant", "base"),
-        int(knob("num_inference_steps")),
-        float(knob("guidance_scale")),
-        float(knob("sway")),
-    )
+    """The variant and the resolved schedule of a record's request: equal keys can share a DiT pass."""
+    variant = request.get("variant", "base")
+    knobs = rules.resolve_knobs(variant, defaults, **{name: request.get(name) for name in KNOB_FIELDS})
+    return (variant, *knobs.key)
 
 
 def target_seconds(request: dict[str, Any]) -> float:

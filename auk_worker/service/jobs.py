@@ -296,6 +296,15 @@ class JobStore:
         )
         return JobRecord._from_hash(_flat_to_dict(flat)), bool(created)
 
+    def by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
+        """The job an earlier request of ``owner`` made under this idempotency key, if its record is still there."""
+        job_id = self.redis.get(self.idem_key(owner, key))
+        return self.get(job_id) if job_id else None
+
+    def ping(self) -> bool:
+        """Redis answers (the API's readiness check); a connection error propagates."""
+        return bool(self.redis.ping())
+
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hgetall(self.job_key(job_id))
         return JobRecord._from_hash(raw) if raw else None

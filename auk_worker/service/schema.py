@@ -1,7 +1,8 @@
 """The request shape shared by the API (which validates it) and the worker (which reads it back from the record).
 
-Pydantic v2 models that refuse unknown fields. The one rule that needs the clip's duration (clip plus target at
-most 30 s) is ``check_total_length``, called once the clip has been decoded or its duration is known.
+Pydantic v2 models that refuse unknown fields, their bounds and rules taken from ``rules.py``. The one rule that
+needs the clip (clip plus target at most 30 s, in latent frames) is applied once the clip is resolved: by the API's
+submit path on the clip's sample count and rate, by the worker on the decoded clip.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from auk_worker.errors import InputError
-from auk_worker.types import HOP, MAX_TOTAL_SECONDS, SAMPLE_RATE, check_total_frames, frames_for_seconds
+from auk_worker import rules
 
 Variant = Literal["base", "flash"]
 OutputFormat = Literal["pcm16", "float32"]
@@ -54,38 +54,23 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # Numbers are strict: "2" or true is refused rather than read as 2 or 1, and NaN and infinities by name.
-    instruction: str = Field(min_length=1, max_length=4000)
+    instruction: str = Field(min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
     audio: AudioRef | None = None
-    gen_seconds: float | None = Field(default=None, gt=0, le=MAX_TOTAL_SECONDS, strict=True, allow_inf_nan=False)
+    gen_seconds: float | None = Field(default=None, gt=0, le=rules.MAX_TOTAL_SECONDS, strict=True,
+                                      allow_inf_nan=False)  # fmt: skip
     variant: Variant = "base"
-    num_inference_steps: int | None = Field(default=None, ge=1, le=1000, strict=True)
-    guidance_scale: float | None = Field(default=None, ge=0, le=20, strict=True, allow_inf_nan=False)
-    sway: float | None = Field(default=None, ge=-1, le=0, strict=True, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
+    num_inference_steps: int | None = Field(default=None, ge=rules.STEPS.low, le=rules.STEPS.high, strict=True)
+    guidance_scale: float | None = Field(default=None, ge=rules.GUIDANCE.low, le=rules.GUIDANCE.high, strict=True,
+                                         allow_inf_nan=False)  # fmt: skip
+    sway: float | None = Field(default=None, ge=rules.SWAY.low, le=rules.SWAY.high, strict=True, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=rules.SEED.low, lt=rules.SEED.high, strict=True)
     output_format: OutputFormat = "pcm16"
     custom_id: str | None = Field(default=None, max_length=256)
     priority: Priority = "interactive"
 
     @model_validator(mode="after")
-    def _length_given(self) -> JobRequest:
-        if not self.instruction.strip():
-            raise ValueError("instruction must not be blank")
-        if self.audio is None and self.gen_seconds is None:
-            raise ValueError("gen_seconds is required when no audio is given")
+    def _rules(self) -> JobRequest:
+        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error)."""
+        rules.check_instruction(self.instruction)
+        rules.require_length(self.gen_seconds, has_clip=self.audio is not None)
         return self
-
-
-def check_total_length(request: JobRequest, clip_seconds: float | None) -> float:
-    """Return the target length in seconds; refuse clip plus target over 30 s.
-
-    Without ``gen_seconds`` the target defaults to the clip's own length.
-    """
-    clip = clip_seconds or 0.0
-    target = request.gen_seconds if request.gen_seconds is not None else clip
-    if target <= 0:
-        raise InputError("gen_seconds is required when no audio is given")
-    # The engine's rule, on the same whole frames it will count (the clip's at 24 kHz, the target's rounded up).
-    clip_frames = round(clip * SAMPLE_RATE) // HOP
-    target_frames = frames_for_seconds(target) if request.gen_seconds is not None else clip_frames
-    check_total_frames(target_frames, clip_frames)
-    return target

@@ -40,16 +40,17 @@ from urllib.parse import quote
 import redis
 from celery import Celery, Task
 
-from auk_worker.audio import decode_audio
+from auk_worker import rules
+from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory
 from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.schema import JobRequest, check_total_length
+from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, manifest_key, result_key, upload_key
-from auk_worker.types import AudioClip, RenderRequest, RenderResult
+from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.wav import write_wav
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,10 @@ def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
 
 
 def _prepare(rt: RenderRuntime, record: JobRecord) -> tuple[JobRequest, RenderRequest]:
-    """The record's validated request and the pipeline's request (clip fetched and decoded, length checked)."""
+    """The record's validated request and the pipeline's request: the clip fetched and decoded (and checked, once:
+    the pipeline takes the checked clip as it is), the length rule applied to it as the API applied it."""
     request = JobRequest.model_validate({k: v for k, v in record.request.items() if k in _REQUEST_FIELDS})
     clip = _load_clip(rt, request)
-    check_total_length(request, clip.duration_s if clip else None)
     render_request = RenderRequest(
         instruction=request.instruction,
         audio=clip,
@@ -127,6 +128,7 @@ def _prepare(rt: RenderRuntime, record: JobRecord) -> tuple[JobRequest, RenderRe
         sway=request.sway,
         seed=request.seed,
     )
+    rules.request_frames(render_request)
     return request, render_request
 
 
@@ -264,7 +266,7 @@ def _render_members(rt: RenderRuntime, members: list[_Member], phases: dict[str,
     return retry
 
 
-def _load_clip(rt: RenderRuntime, request: JobRequest) -> AudioClip | None:
+def _load_clip(rt: RenderRuntime, request: JobRequest) -> CheckedClip | None:
     if request.audio is None:
         return None
     if request.audio.upload_id is not None:

@@ -138,7 +138,7 @@ def error_of(response: httpx.Response) -> dict:
 
 
 def test_api_does_not_import_torch() -> None:
-    code = ("import sys, api.app, api.routes_jobs, api.routes_batches, api.routes_uploads, auk_worker.client; "
+    code = ("import sys, api.app, api.routes.jobs, api.routes.batches, api.routes.uploads, auk_worker.client; "
             "print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -155,6 +155,21 @@ def test_batch_is_done_only_once_its_manifest_is_stored() -> None:
     ended = {**counts, "running": 0, "canceled": 1}
     assert batch_state(ended, 4, manifest_stored=False) == "finishing"
     assert batch_state(ended, 4, manifest_stored=True) == "done"
+
+
+def test_one_error_family_maps_to_the_statuses() -> None:
+    """Every caller fault is an InputError; api/errors.py maps each class (or its nearest mapped ancestor)."""
+    from api.errors import status_for_error
+    from auk_worker import errors
+
+    statuses = {cls.__name__: status_for_error(cls("x")) for cls in (
+        errors.MalformedBody, errors.Unauthorized, errors.NotFound, errors.Conflict, errors.TooLarge,
+        errors.UnsupportedMediaType, errors.InputError, errors.AudioError, errors.InfraError, errors.ModelError)}
+    assert statuses == {"MalformedBody": 400, "Unauthorized": 401, "NotFound": 404, "Conflict": 409, "TooLarge": 413,
+                        "UnsupportedMediaType": 415, "InputError": 422, "AudioError": 422, "InfraError": 503,
+                        "ModelError": 500}  # fmt: skip
+    assert all(issubclass(cls, errors.InputError) for cls in (errors.MalformedBody, errors.Unauthorized,
+               errors.NotFound, errors.Conflict, errors.TooLarge, errors.UnsupportedMediaType))  # fmt: skip
 
 
 def test_api_refuses_to_start_without_keys(tmp_path: Path) -> None:
@@ -526,8 +541,8 @@ def test_client_cli_submit_wait_fetch(service: Service, tmp_path: Path, monkeypa
 def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
     """A key the S3 server answers with 400 (here one with a '..' segment, sent past the schema that refuses it)
     is a 422 naming the key, not a 503 that would invite retries."""
-    from api.app import build_services
-    from api.routes_jobs import ClipResolver
+    from api.deps import build_services
+    from api.submit import ClipResolver
     from auk_worker.errors import InputError
     from auk_worker.service.schema import AudioRef, JobRequest
 
@@ -541,8 +556,8 @@ def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
 def test_a_bad_key_named_on_many_batch_lines_is_fetched_once(settings) -> None:
     """A batch of 2,000 lines naming one large undecodable object took 135 s: every line fetched and decoded it
     again. The resolver now keeps a key's error as it keeps a good key's clip."""
-    from api.app import build_services
-    from api.routes_jobs import ClipResolver
+    from api.deps import build_services
+    from api.submit import ClipResolver
     from auk_worker.errors import AudioError, InputError
     from auk_worker.service.schema import AudioRef, JobRequest
 

@@ -72,7 +72,7 @@ def queued_tasks(redis_client, queue: str) -> list[tuple[str, list]]:
 
 
 def test_plan_groups_sorts_by_schedule_then_length_and_caps_the_size() -> None:
-    defaults = DiTSampling(num_inference_steps=32, guidance_scale=2.0, sway=-1.0)
+    defaults = DiTSampling(seed=0, num_inference_steps=32, guidance_scale=2.0, sway=-1.0)
 
     def rec(seconds: float, **knobs) -> JobRecord:
         return make_record({"instruction": "x", "gen_seconds": seconds, "priority": "bulk", **knobs})

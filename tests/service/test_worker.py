@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from api.submit import record_request
+from auk_worker.rules import frames_for_seconds
 from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.schema import JobRequest, check_total_length
+from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, manifest_key, result_key
-from auk_worker.types import HOP, frames_for_seconds
+from auk_worker.types import HOP
 
 OWNER = "0123456789abcdef"
 
@@ -33,8 +35,8 @@ def expected_samples(gen_seconds: float) -> int:
 
 def make_record(body: dict[str, Any]) -> JobRecord:
     request = JobRequest.model_validate(body)
-    stored = {**request.model_dump(mode="json"), "clip": None, "target_seconds": check_total_length(request, None)}
-    return JobRecord.new(OWNER, stored, queue=queue_name(request.variant, request.priority), custom_id=request.custom_id)
+    return JobRecord.new(OWNER, record_request(request, None), queue=queue_name(request.variant, request.priority),
+                         custom_id=request.custom_id)
 
 
 def send(settings: Settings, record: JobRecord) -> None:

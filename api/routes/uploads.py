@@ -1,8 +1,9 @@
 """``POST /v1/uploads``: validate and store one audio clip for later jobs.
 
 The clip is decoded with the same code the worker uses (so a clip that uploads is a clip that renders), the
-original bytes go to ``uploads/<id>`` in the result bucket, and ``auk:upload:<id>`` in Redis records its owner
-and what was decoded. Jobs refer to it as ``{"audio": {"upload_id": ...}}``.
+original bytes go to ``uploads/<id>`` in the result bucket, and the upload store (``auk_worker/service/uploads.py``)
+records its owner and what was decoded, its exact sample count included. Jobs refer to it as
+``{"audio": {"upload_id": ...}}``.
 """
 
 from __future__ import annotations
@@ -10,51 +11,22 @@ from __future__ import annotations
 import io
 import logging
 import uuid
-from dataclasses import dataclass
 
 import soundfile as sf
 from fastapi import APIRouter, Depends, File, UploadFile
 
-from api.app import Services, services
 from api.auth import caller
+from api.deps import Services, services
 from api.errors import too_large
 from auk_worker.audio import decode_audio
 from auk_worker.service.storage import upload_key
+from auk_worker.service.uploads import Upload
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["uploads"])
 
 READ_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class UploadInfo:
-    upload_id: str
-    owner: str
-    key: str
-    duration_s: float
-    sample_rate: int
-    channels: int
-
-    def public(self) -> dict:
-        return {"upload_id": self.upload_id, "duration_s": self.duration_s,
-                "sample_rate": self.sample_rate, "channels": self.channels}
-
-
-def _redis_key(upload_id: str) -> str:
-    return f"auk:upload:{upload_id}"
-
-
-def load_upload(svc: Services, upload_id: str, owner: str) -> UploadInfo | None:
-    """The caller's upload, or None when it does not exist or belongs to another key."""
-    fields = svc.redis.hgetall(_redis_key(upload_id))
-    if not fields or fields.get("owner") != owner:
-        return None
-    return UploadInfo(
-        upload_id=upload_id, owner=owner, key=fields["key"], duration_s=float(fields["duration_s"]),
-        sample_rate=int(fields["sample_rate"]), channels=int(fields["channels"]),
-    )
 
 
 def _read_limited(file: UploadFile, limit: int) -> bytes:
@@ -86,12 +58,9 @@ def create_upload(
     upload_id = uuid.uuid4().hex
     key = upload_key(svc.settings.s3_prefix, upload_id)
     svc.storage.put_bytes(key, data, file.content_type or "application/octet-stream", {"owner": owner})
-    info = UploadInfo(upload_id=upload_id, owner=owner, key=key, duration_s=round(clip.duration_s, 6),
-                      sample_rate=clip.sample_rate, channels=channels)
-    svc.redis.hset(_redis_key(upload_id), mapping={
-        "owner": owner, "key": key, "duration_s": repr(info.duration_s),
-        "sample_rate": str(info.sample_rate), "channels": str(info.channels),
-    })
+    upload = Upload(upload_id=upload_id, owner=owner, key=key, duration_s=round(clip.duration_s, 6),
+                    sample_rate=clip.sample_rate, samples=len(clip.samples), channels=channels)  # fmt: skip
+    svc.uploads.add(upload)
     log.info("upload %s: %d bytes, %.2f s at %d Hz, %d channels", upload_id, len(data), clip.duration_s,
              clip.sample_rate, channels)
-    return info.public()
+    return upload.public()

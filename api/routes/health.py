@@ -1,0 +1,52 @@
+"""``/healthz`` (the process is alive) and ``/readyz`` (Redis and storage answer; which workers are serving)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from api.deps import Services, services
+from auk_worker.service.health import read_heartbeats
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["health"])
+
+SERVING_STATES = ("ready", "busy")  # a worker with its pipeline loaded: idle, or rendering and taking the next job
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(svc: Services = Depends(services)) -> JSONResponse:
+    """Redis and storage answer; which workers hold a fresh heartbeat and in what state."""
+    return readiness(svc)
+
+
+def readiness(svc: Services) -> JSONResponse:
+    """200 when Redis and storage answer (503 otherwise), with ``workers_ready`` and every worker's heartbeat."""
+    checks: dict[str, Any] = {}
+    try:
+        checks["redis"] = svc.store.ping()
+    except redis.RedisError as exc:
+        log.warning("readyz: redis: %s", exc)
+        checks["redis"] = False
+    checks["storage"] = svc.storage.ping()
+    workers: list[dict] = []
+    if checks["redis"]:
+        try:
+            workers = read_heartbeats(svc.redis)
+        except redis.RedisError as exc:
+            log.warning("readyz: heartbeats: %s", exc)
+    ready = sum(1 for worker in workers if worker.get("state") in SERVING_STATES)
+    ok = checks["redis"] and checks["storage"]
+    body = {"status": "ready" if ok else "unavailable", **checks, "workers_ready": ready, "workers": workers}
+    return JSONResponse(body, status_code=200 if ok else 503)

@@ -1,0 +1,205 @@
+"""The one submit path: every route that creates jobs (``POST /v1/jobs``, ``POST /v1/batches``) goes through here.
+
+In order, and nothing written until all of it holds: the body has passed ``JobRequest`` (bounds from ``rules.py``);
+the clip is resolved (an upload of this key, or an object in the input bucket that decodes); the length rule is
+applied in latent frames to the clip's exact sample count and rate (``rules.target_frames``, the worker's own
+call). Then the record is written, and only then is the task sent by name: ``auk.render`` to
+``auk.{variant}.{priority}``, or for a batch ``auk.render_group`` tasks of compatible jobs
+(``auk_worker/service/grouping.py``) on the variant's bulk queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from api.deps import Services
+from auk_worker import rules
+from auk_worker.audio import decode_audio
+from auk_worker.errors import InfraError, InputError
+from auk_worker.service.celery_app import RENDER_TASK, queue_name
+from auk_worker.service.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
+from auk_worker.service.jobs import JobRecord
+from auk_worker.service.schema import JobRequest
+from auk_worker.service.storage import error_code
+
+log = logging.getLogger(__name__)
+
+MAX_REPORTED_LINES = 100  # a 10 000-line file of bad lines answers with the first hundred
+
+
+class ClipResolver:
+    """Turns a request's audio reference into the clip a worker will read, checking it exists and decodes.
+
+    One resolver serves a whole batch, so a clip named on many lines is fetched and decoded once, and so is a
+    key that is missing, too large or undecodable: its error is kept and raised again for every later line.
+    """
+
+    def __init__(self, svc: Services, owner: str) -> None:
+        self.svc = svc
+        self.owner = owner
+        self._by_key: dict[str, dict[str, Any]] = {}
+        self._failed: dict[str, InputError] = {}
+
+    def resolve(self, request: JobRequest) -> dict[str, Any] | None:
+        """``{"bucket", "key", "duration_s", "sample_rate", "samples"}`` for the clip, or None without audio.
+
+        Raises ``InputError`` for an upload that is not the caller's, a missing key or a file that does not decode,
+        ``InfraError`` when storage does not answer.
+        """
+        audio = request.audio
+        if audio is None:
+            return None
+        if audio.upload_id is not None:
+            upload = self.svc.uploads.get(audio.upload_id, self.owner)
+            if upload is None:
+                message = f"audio.upload_id: no upload {audio.upload_id!r} for this API key"
+                raise InputError(message, code="unknown_upload")
+            return {"bucket": self.svc.storage.bucket, "key": upload.key, "duration_s": upload.duration_s,
+                    "sample_rate": upload.sample_rate, "samples": upload.samples}  # fmt: skip
+        key = audio.key
+        if key in self._failed:
+            raise self._failed[key].with_traceback(None)  # the same error, without a traceback grown per line
+        if key not in self._by_key:
+            try:
+                self._by_key[key] = self._inspect(key)
+            except InputError as exc:  # the caller's errors: storage faults are InfraError
+                self._failed[key] = exc
+                raise
+        return dict(self._by_key[key])
+
+    def _inspect(self, key: str) -> dict[str, Any]:
+        bucket = self.svc.storage.input_bucket
+        size = self._input_size(bucket, key)
+        limit = self.svc.settings.max_upload_bytes
+        if size > limit:
+            raise InputError(f"audio.key {key!r} is {size} bytes; the limit is {limit}", code="too_large")
+        clip = decode_audio(self.svc.storage.get_bytes(bucket, key))
+        return {"bucket": bucket, "key": key, "duration_s": round(clip.duration_s, 6), "sample_rate": clip.sample_rate,
+                "samples": len(clip.samples)}  # fmt: skip
+
+    def _input_size(self, bucket: str, key: str) -> int:
+        """HEAD the input object: its size, before anything is downloaded; a missing key is the caller's error."""
+        try:
+            head = self.svc.storage.client.head_object(Bucket=bucket, Key=key)
+        except ClientError as exc:
+            code = error_code(exc)
+            if code in ("404", "NoSuchKey", "NotFound"):
+                raise InputError(f"audio.key: no object {key!r} in the input bucket", code="audio_not_found") from None
+            if code in ("400", "InvalidArgument", "KeyTooLongError"):  # the key itself, not the storage
+                raise InputError(f"audio.key: the storage refuses the key {key!r} ({code})", code="invalid_key") from None
+            raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
+        return int(head.get("ContentLength", 0))
+
+
+def record_request(request: JobRequest, clip: dict[str, Any] | None) -> dict[str, Any]:
+    """The record's ``request``: the validated body, the resolved clip and the target length in seconds, once the
+    length rule holds for the clip's exact sample count and rate (the frames the worker will count)."""
+    frames = None if clip is None else rules.clip_frames(clip["samples"], clip["sample_rate"])
+    rules.target_frames(request.gen_seconds, frames)
+    target = request.gen_seconds if request.gen_seconds is not None else clip["duration_s"]
+    return {**request.model_dump(mode="json"), "clip": clip, "target_seconds": target}
+
+
+def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
+    """``record_request`` with the request's clip resolved."""
+    return record_request(request, resolver.resolve(request))
+
+
+# ---------------------------------------------------------------------------------------------------- one job
+
+
+def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
+    """Check, write and send one job: ``(record, True)``; or ``(the earlier job, False)`` when this key already made
+    one for this same request (a different request under a used key is refused)."""
+    if idempotency_key is not None:
+        existing = svc.store.by_idempotency_key(owner, idempotency_key)
+        if existing is not None:
+            return _same_request(existing, request, idempotency_key), False
+    prepared = prepare(request, ClipResolver(svc, owner))
+    queue = queue_name(request.variant, request.priority)
+    record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
+    record, created = svc.store.create(record, idempotency_key=idempotency_key)
+    if not created:  # another request with the same key got there first
+        return _same_request(record, request, idempotency_key), False
+    send_render(svc, record)
+    log.info("job %s: queued on %s for owner %s", record.id, record.queue, owner)
+    return record, True
+
+
+def _same_request(existing: JobRecord, request: JobRequest, idempotency_key: str | None) -> JobRecord:
+    """The job an earlier request with this Idempotency-Key made, if this request is the same one, so that a caller
+    never takes another job for its own."""
+    sent = request.model_dump(mode="json")
+    if any(existing.request.get(field) != value for field, value in sent.items()):
+        raise InputError(f"Idempotency-Key {idempotency_key!r} was used for job {existing.id} with a different "
+                         "request; use a new key for a new job", code="idempotency_key_reused")  # fmt: skip
+    return existing
+
+
+def send_render(svc: Services, record: JobRecord) -> None:
+    """Send the task for a written record; when the broker refuses, the record fails instead of idling forever."""
+    try:
+        svc.celery.send_task(RENDER_TASK, args=[record.id], queue=record.queue)
+    except Exception as exc:  # the broker's connection errors vary by transport; the boundary is here
+        message = f"the job could not be enqueued: {exc}"
+        svc.store.fail(record.id, InfraError.code, message)
+        raise InfraError(message) from exc
+
+
+# ---------------------------------------------------------------------------------------------------- a batch
+
+
+def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]], bad: list[dict]) -> dict:
+    """Check every line (``(line number, request)``, plus the lines the caller already found ``bad``), then write
+    the batch and send its groups. Any bad line: InputError ``invalid_batch`` listing them, nothing written."""
+    resolver = ClipResolver(svc, owner)
+    bad = list(bad)
+    good: list[tuple[JobRequest, dict[str, Any]]] = []
+    for number, request in lines:
+        try:
+            good.append((request, prepare(request, resolver)))
+        except InputError as exc:
+            bad.append({"line": number, "message": exc.message})
+    if bad:
+        shown = sorted(bad, key=lambda item: item["line"])[:MAX_REPORTED_LINES]
+        numbers = ", ".join(str(item["line"]) for item in shown)
+        more = f" (first {len(shown)} of {len(bad)} shown)" if len(bad) > len(shown) else ""
+        raise InputError(f"{len(bad)} bad line(s), nothing enqueued: line {numbers}{more}", code="invalid_batch",
+                         details=shown)  # fmt: skip
+    records = [
+        JobRecord.new(owner, prepared, queue=queue_name(request.variant, "bulk"), custom_id=request.custom_id)
+        for request, prepared in good
+    ]
+    batch_id = svc.store.create_batch(owner, records)
+    max_jobs, defaults = group_limits(svc.settings.deploy_config)
+    groups = plan_groups(records, max_jobs, defaults) if max_jobs > 1 else [[record] for record in records]
+    for sent, group in enumerate(groups):
+        try:
+            send_group(svc, group)
+        except InfraError:
+            for unsent in groups[sent + 1:]:
+                for record in unsent:
+                    svc.store.fail(record.id, InfraError.code, "the batch could not be enqueued: the broker refused")
+            raise
+    log.info("batch %s: %d jobs queued as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)
+    return {"id": batch_id, "total": len(records)}
+
+
+def send_group(svc: Services, group: list[JobRecord]) -> None:
+    """One task for a group: ``auk.render`` for a lone job, ``auk.render_group`` otherwise; a refused send fails
+    the group's records (as ``send_render`` does for one)."""
+    if len(group) == 1:
+        send_render(svc, group[0])
+        return
+    try:
+        svc.celery.send_task(RENDER_GROUP_TASK, args=[[record.id for record in group]], queue=group[0].queue)
+    except Exception as exc:  # the broker's connection errors vary by transport; the boundary is here
+        message = f"the job could not be enqueued: {exc}"
+        for record in group:
+            svc.store.fail(record.id, InfraError.code, message)
+        raise InfraError(message) from exc
