@@ -4,7 +4,7 @@
     auk make-tiny-checkpoint OUT [--variant base|flash]
     auk download DEST [--variant base|flash]
     auk worker ...            (Celery worker; see `auk worker --help`)
-    auk submit|status|wait|fetch ...   (REST API client)
+    auk submit|status|wait|fetch|page|cancel ...   (REST API client)
 
 Heavy imports (torch, the model) happen inside the subcommands, so `auk submit` starts fast.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from auk_worker.errors import AuKError
 
-CLIENT_COMMANDS = ("submit", "status", "wait", "fetch")
+CLIENT_COMMANDS = ("submit", "status", "wait", "fetch", "page", "cancel")
 
 
 def main(argv: list[str] | None = None) -> int:
