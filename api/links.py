@@ -39,10 +39,6 @@ class LinkSigner:
         exp = int((time.time() if now is None else now) + lifetime)
         return exp, self._sig(batch_id, exp)
 
-    def query(self, batch_id: str, seconds: int | None = None) -> str:
-        exp, sig = self.sign(batch_id, seconds)
-        return f"exp={exp}&sig={sig}"
-
     def verify(self, batch_id: str, exp: str | None, sig: str | None, now: float | None = None) -> None:
         """Unauthorized unless ``sig`` signs this batch until ``exp`` and ``exp`` has not passed."""
         if not exp or not sig:

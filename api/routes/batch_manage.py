@@ -45,11 +45,11 @@ def cancel_batch(batch_id: str, owner: str = Depends(caller), svc: Services = De
     batch = svc.batches.owned(batch_id, owner)
     if batch is None:
         raise NotFound(f"no batch {batch_id!r}")
-    if batch["done"]:
+    if batch["done"] and batch["manifest_key"]:
         raise Conflict(f"batch {batch_id!r} has ended ({batch['counts']['canceled']} canceled) and cannot be "
                        "canceled", code="already_finished")  # fmt: skip
     batch, canceled = svc.batches.cancel(batch_id, owner)
-    if batch["done"] and batch["manifest_key"] is None:
+    if batch["done"] and batch["manifest_key"] is None:  # also a retry after storage refused the first time
         write_results(svc.store, svc.storage, svc.settings.s3_prefix, batch_id)
         batch = svc.batches.get(batch_id)
     body = batch_record(svc, batch)

@@ -20,7 +20,7 @@ from api.deps import Services, services
 from api.links import LinkSigner
 from api.pages import render_page
 from auk_worker.errors import InfraError, NotFound
-from auk_worker.service.jobs import JobStatus
+from auk_worker.service.jobs import JobRecord, JobStatus
 
 router = APIRouter(tags=["batch page"])
 
@@ -32,21 +32,22 @@ def _signer(request: Request) -> LinkSigner:
     return request.app.state.links
 
 
-def _authorize(request: Request, svc: Services, batch_id: str, exp: str | None, sig: str | None) -> tuple[dict, str]:
-    """The batch and the query (``exp=..&sig=..``) its audio sources carry: from a valid link, or minted for the
-    owner's bearer key. A batch that does not exist answers like a bad link, so links reveal nothing."""
+def _authorize(request: Request, svc: Services, batch_id: str, exp: str | None,
+               sig: str | None) -> tuple[dict, int, str]:
+    """The batch, and the ``(exp, sig)`` its audio sources carry: the valid link's own, or minted for the owner's
+    bearer key. Another key's batch answers 404 like a missing one."""
     signer = _signer(request)
     if exp is None and sig is None and request.headers.get("authorization"):
         owner = request.app.state.keyring.owner_for(request.headers["authorization"])
         batch = svc.batches.owned(batch_id, owner)
         if batch is None:
             raise NotFound(f"no batch {batch_id!r}")
-        return batch, signer.query(batch_id)
+        return (batch, *signer.sign(batch_id))
     signer.verify(batch_id, exp, sig)
     batch = svc.batches.get(batch_id)
     if batch is None:
         raise NotFound(f"no batch {batch_id!r}")
-    return batch, f"exp={exp}&sig={sig}"
+    return batch, int(exp), sig
 
 
 @router.get("/batches/{batch_id}", response_class=HTMLResponse, summary="Listen to a batch (signed link)")
@@ -58,12 +59,12 @@ def batch_page(
     sig: str | None = None,
     failed_first: Annotated[bool, Query()] = False,
 ) -> HTMLResponse:
-    batch, query = _authorize(request, svc, batch_id, exp, sig)
+    batch, exp_s, sig = _authorize(request, svc, batch_id, exp, sig)
     records = svc.store.batch_records(batch_id)
-    expires = datetime.fromtimestamp(int(query.split("&")[0][4:]), timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    expires = datetime.fromtimestamp(exp_s, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
-    def audio_src(record) -> str:
-        return f"/batches/{batch_id}/audio/{record.id}?{query}"
+    def audio_src(record: JobRecord) -> str:
+        return f"/batches/{batch_id}/audio/{record.id}?exp={exp_s}&sig={sig}"
 
     html = render_page(batch, records, audio_src, failed_first, expires)
     return HTMLResponse(html, headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -47,11 +48,13 @@ def parse_cursor(cursor: str) -> tuple[int, str]:
     return int(score), after_id
 
 
-def batch_status(batch: dict[str, Any]) -> str:
-    """``running`` while a job has not ended, ``finishing`` until the manifest is stored, then ``done``."""
-    if not batch["done"]:
+def batch_state(counts: Mapping[str, int], total: int, manifest_stored: bool) -> str:
+    """``running`` while a job of the batch is not terminal, ``finishing`` until its manifest is stored, then
+    ``done``: a caller who waits for ``done`` always finds the manifest (and the error file) linked."""
+    finished = sum(counts.get(status.value, 0) for status in TERMINAL)
+    if finished < total:
         return "running"
-    return "done" if batch["manifest_key"] else "finishing"
+    return "done" if manifest_stored else "finishing"
 
 
 class BatchBook:
@@ -127,7 +130,8 @@ class BatchBook:
         batch = self.owned(batch_id, owner)
         if batch is None:
             return None, 0
-        self.redis.hsetnx(self.store.batch_key(batch_id), "canceled_at", utc_now())
+        if not batch["done"]:  # a batch that only waits for its results to be stored was not canceled
+            self.redis.hsetnx(self.store.batch_key(batch_id), "canceled_at", utc_now())
         canceled = 0
         ids = self.redis.zrange(self.store.batch_jobs_key(batch_id), 0, -1)
         for start in range(0, len(ids), 500):
@@ -179,7 +183,7 @@ def write_results(store: JobStore, storage: Any, prefix: str, batch_id: str) -> 
 
 def public_batch(batch: dict[str, Any], storage: Any, presign_seconds: int) -> dict[str, Any]:
     """A batch as callers see it: counts, status, and once done its manifest and error file with presigned URLs."""
-    status = batch_status(batch)
+    status = batch_state(batch["counts"], batch["total"], manifest_stored=bool(batch["manifest_key"]))
     files: dict[str, Any] = {"manifest": None, "error_file": None}
     if status == "done":
         for name, key in (("manifest", batch["manifest_key"]), ("error_file", batch["error_key"])):
