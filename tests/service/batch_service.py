@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import redis
+from redis import Redis
 
 from tests.service.conftest import BUCKET
 from tests.service.harness import ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
@@ -23,7 +23,7 @@ TERMINAL = ("succeeded", "failed", "canceled")
 class BatchService:
     api: ApiProcess
     env: dict[str, str]
-    redis: redis.Redis
+    redis: Redis
     s3: S3Server
     logdir: Path
     prefix: str

@@ -17,13 +17,15 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
 
+from api.links import LinkSigner
+from auk_worker.client import main_client
+from auk_worker.service.settings import Settings
 from tests.service.batch_service import KEY_A, KEY_B, KEY_C, BatchService, batch_service
 from tests.service.conftest import BUCKET
 from tests.service.harness import REPO
@@ -88,8 +90,6 @@ def batch_id(svc: BatchService) -> str:
 
 def page_url(svc: BatchService, batch_id: str, capsys) -> str:
     """The link as a user gets it: printed by ``auk page``."""
-    from auk_worker.client import main_client
-
     os.environ["AUK_API_URL"], os.environ["AUK_API_KEY"] = svc.url, KEY_A
     try:
         capsys.readouterr()
@@ -186,9 +186,6 @@ def test_the_page_lists_every_line_and_every_player_plays_its_stated_length(svc,
 
 
 def test_only_a_valid_link_or_the_owners_key_opens_the_page(svc, batch_id) -> None:
-    from api.links import LinkSigner
-    from auk_worker.service.settings import Settings
-
     with svc.client() as http:
         link = http.get(f"/v1/batches/{batch_id}/link", params={"expires_in": 120}).json()
         assert link["expires_at"] - time.time() == pytest.approx(120, abs=5)

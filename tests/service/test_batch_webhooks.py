@@ -5,14 +5,20 @@ secret the API hands out, fails on purpose, and records the retries. Retry delay
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import soundfile as sf
 
+from auk_worker.errors import ConfigError
+from auk_worker.service.settings import Settings
+from auk_worker.service.webhooks import verify
 from tests.service.batch_service import KEY_A, KEY_B, BatchService, batch_service
+from tests.service.conftest import BUCKET
 from tests.service.test_webhooks import Receiver
 
 
@@ -100,8 +106,6 @@ def test_a_canceled_job_sends_its_webhook_and_a_rotated_secret_still_verifies(sv
     assert done["webhook"]["state"] == "delivered" and receiver.seen[0].verified is None
     event = json.loads(receiver.seen[0].body)
     assert event["type"] == "job.canceled" and event["data"]["error"]["code"] == "canceled"
-    from auk_worker.service.webhooks import verify
-
     verify(new, receiver.seen[0].headers, receiver.seen[0].body)  # signed with both secrets during the grace
 
 
@@ -140,11 +144,8 @@ def test_a_batch_line_cannot_name_its_own_webhook(svc: BatchService) -> None:
     assert "set it on the batch" in refused.json()["error"]["details"][0]["message"]
 
 
-def test_the_standalone_dispatcher_reads_its_settings(tmp_path: Path) -> None:
-    """``AUK_WEBHOOK_*`` reach the standalone dispatcher's defaults (its own run is tested in test_webhooks.py)."""
-    from auk_worker.errors import ConfigError
-    from auk_worker.service.settings import Settings
-
+def test_webhook_settings_are_read_and_checked() -> None:
+    """``AUK_WEBHOOK_*`` as the API's and the standalone dispatcher's settings (its run: test_webhooks.py)."""
     settings = Settings.from_env({"AUK_WEBHOOK_ALLOW": "127.0.0.1, hooks.internal", "AUK_WEBHOOK_RETRY_BASE": "2",
                                   "AUK_WEBHOOK_THREADS": "0"})  # fmt: skip
     assert settings.webhook_allow == "127.0.0.1, hooks.internal" and settings.webhook_retry_base_s == 2.0
@@ -153,3 +154,22 @@ def test_the_standalone_dispatcher_reads_its_settings(tmp_path: Path) -> None:
         Settings.from_env({"AUK_WEBHOOK_ALLOW": "not a host!"})
     with pytest.raises(ConfigError, match="AUK_WEBHOOK_TIMEOUT"):
         Settings.from_env({"AUK_WEBHOOK_TIMEOUT": "0"})
+
+
+def test_a_job_that_fails_at_the_worker_sends_job_failed(svc: BatchService) -> None:
+    secret = secret_of(svc)
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(8000, np.float32) + 0.05, 16_000, format="WAV")
+    with Receiver(lambda: secret) as receiver, svc.client() as http:
+        upload = http.post("/v1/uploads", files={"file": ("ref.wav", buf.getvalue(), "audio/wav")}).json()
+        job = http.post("/v1/jobs", json={"instruction": "x", "variant": "flash", "webhook_url": receiver.url(),
+                                          "audio": {"upload_id": upload["upload_id"]}}).json()  # fmt: skip
+        # The clip goes before a Flash worker exists to read it: the job fails at the worker.
+        svc.s3.client().delete_object(Bucket=BUCKET, Key=f"{svc.prefix}/uploads/{upload['upload_id']}")
+        svc.start_worker("hooks-flash", AUK_VARIANT="flash")
+        assert svc.wait_job(job["id"])["status"] == "failed"
+        done = wait_delivered(svc, f"/v1/jobs/{job['id']}")
+    assert done["webhook"]["state"] == "delivered" and len(receiver.seen) == 1
+    event = json.loads(receiver.seen[0].body)
+    assert event["type"] == "job.failed" and event["data"]["error"]["code"] == "audio_not_found"
+    assert receiver.seen[0].verified is None
