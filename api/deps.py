@@ -12,10 +12,10 @@ import redis
 from celery import Celery
 from fastapi import Request
 
-from auk_worker.service.celery_app import make_celery
 from auk_worker.service.batches import BatchBook
+from auk_worker.service.celery_app import make_celery
 from auk_worker.service.jobs import JobStore
-from auk_worker.service.notify import Notifier, notifying_store
+from auk_worker.service.notify import Notifier, NotifyingJobStore
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage
 from auk_worker.service.uploads import UploadStore
@@ -36,13 +36,10 @@ class Services:
     storage: Storage
     celery: Celery
     batches: BatchBook
+    notifier: Notifier  # enqueues the webhooks of ended jobs and batches (``store`` calls it on every end)
     webhooks: WebhookStore
     webhook_secrets: WebhookSecrets
     webhook_guard: UrlGuard
-
-    @property
-    def notifier(self) -> Notifier:
-        return self.store.notifier  # type: ignore[attr-defined]
 
 
 def build_services(settings: Settings) -> Services:
@@ -52,7 +49,8 @@ def build_services(settings: Settings) -> Services:
         socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
     )  # fmt: skip
     storage = Storage(settings)
-    store = notifying_store(client, storage, settings.presign_seconds)
+    notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)
+    store = NotifyingJobStore(client, notifier)
     policy = RetryPolicy(base_s=settings.webhook_retry_base_s, cap_s=settings.webhook_retry_cap_s,
                          max_attempts=settings.webhook_max_attempts)  # fmt: skip
     return Services(
@@ -63,6 +61,7 @@ def build_services(settings: Settings) -> Services:
         storage=storage,
         celery=make_celery(settings),
         batches=BatchBook(store),
+        notifier=notifier,
         webhooks=WebhookStore(client, policy=policy),
         webhook_secrets=WebhookSecrets(client),
         webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),

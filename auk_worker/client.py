@@ -1,14 +1,12 @@
-"""The user CLI over the REST API: ``auk submit``, ``status``, ``wait``, ``fetch``, ``page`` and ``cancel``.
+"""The user CLI over the REST API: ``auk submit``, ``auk status``, ``auk wait`` and ``auk fetch``.
 
 Talks HTTP only (httpx): ``AUK_API_URL`` (default http://127.0.0.1:8000) and the bearer key ``AUK_API_KEY``.
-``auk_worker.cli`` hands these commands to ``main_client(command, argv)``.
+``auk_worker.cli`` hands these four commands to ``main_client(command, argv)``.
 
     auk submit --instruction "Say hello." --gen-seconds 3          # one job; prints its record
     auk submit --audio ref.wav --instruction "..."                  # uploads the clip first
     auk submit --batch jobs.jsonl                                   # one job per line, each with custom_id
     auk status ID          auk wait ID          auk fetch ID -o out/
-    auk page BATCH_ID [--expires S]                                 # a signed link to the batch's listening page
-    auk cancel ID                                                   # a job, or every unfinished job of a batch
 
 An ID is a job's or a batch's; the commands look it up as a job first, then as a batch.
 """
@@ -140,10 +138,7 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
         _print_json(batch)
         print(f"batch {batch['id']}: {batch['total']} jobs queued; follow it with `auk wait {batch['id']}`",
               file=sys.stderr)
-        try:
-            print(f"listen: {_page_url(api, batch['id'])}", file=sys.stderr)
-        except ClientError as exc:  # the batch is queued either way; the link can be asked for later
-            print(f"no page link ({exc}); try `auk page {batch['id']}`", file=sys.stderr)
+        _announce_page(batch["id"])
         return 0
     body: dict[str, Any] = {name: getattr(args, name) for name in JOB_FIELDS if getattr(args, name) is not None}
     if args.audio is not None:
@@ -159,6 +154,16 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
     job = api.request("POST", "/v1/jobs", json=body, headers=headers)
     _print_json(job)
     return 0
+
+
+def _announce_page(batch_id: str) -> None:
+    """Print the batch's listening-page link (``auk page``), or why there is none; the batch is queued either way."""
+    from auk_worker.client_batches import CommandError, page_link
+
+    try:
+        print(f"listen: {page_link(batch_id)}", file=sys.stderr)
+    except CommandError as exc:
+        print(f"no page link ({exc}); try `auk page {batch_id}` later", file=sys.stderr)
 
 
 # -- status / wait -----------------------------------------------------------------------------------------------
@@ -296,39 +301,13 @@ def _fetch(api: Api, argv: Sequence[str]) -> int:
         return _batch_exit(record) if record["status"] == "done" else 1
 
 
-# -- page / cancel -----------------------------------------------------------------------------------------------
-def _page_url(api: Api, batch_id: str, expires_in: int | None = None) -> str:
-    """A signed link to the batch's listening page, on the API address this client uses."""
-    params = {"expires_in": expires_in} if expires_in else {}
-    link = api.request("GET", f"/v1/batches/{batch_id}/link", params=params)
-    return f"{api.http.base_url}".rstrip("/") + link["path"]
-
-
-def _page(api: Api, argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="auk page", description="Print a signed link to a batch's listening page.")
-    p.add_argument("id")
-    p.add_argument("--expires", type=int, default=None, help="seconds the link works (default: the server's, 1 h)")
-    args = p.parse_args(argv)
-    print(_page_url(api, args.id, args.expires))
-    return 0
-
-
-def _cancel(api: Api, argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="auk cancel", description="Cancel a job or a whole batch.")
-    p.add_argument("id")
-    args = p.parse_args(argv)
-    kind, _ = api.job_or_batch(args.id)
-    _print_json(api.request("POST", f"{RESOURCE[kind]}/{args.id}/cancel"))
-    return 0
-
-
-COMMANDS = {"submit": _submit, "status": _status, "wait": _wait, "fetch": _fetch, "page": _page, "cancel": _cancel}
+COMMANDS = {"submit": _submit, "status": _status, "wait": _wait, "fetch": _fetch}
 
 
 def main_client(command: str, argv: list[str]) -> int:
-    """Run one of ``COMMANDS`` (submit, status, wait, fetch, page, cancel); returns the exit status."""
+    """Run one of ``submit``, ``status``, ``wait``, ``fetch``; returns the exit status."""
     if command not in COMMANDS:
-        print(f"unknown command {command!r}: use {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"unknown command {command!r}: use submit, status, wait or fetch", file=sys.stderr)
         return 2
     api_key = os.environ.get("AUK_API_KEY", "").strip()
     if not api_key:

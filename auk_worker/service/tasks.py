@@ -42,8 +42,8 @@ from celery import Celery, Task
 from auk_worker import rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory
-from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.batches import write_results
+from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from auk_worker.cli import main as auk
 from tests.service.batch_service import KEY_A, KEY_B, KEY_C, BatchService, batch_service
 from tests.service.conftest import BUCKET
 from tests.service.harness import REPO
@@ -44,7 +45,7 @@ def jsonl(url: str) -> list[dict]:
     return [json.loads(line) for line in response.text.splitlines() if line.strip()]
 
 
-def test_listing_is_per_key_newest_first_and_paginated(svc: BatchService) -> None:
+def test_listing_is_per_key_newest_first_and_paginated(svc: BatchService, monkeypatch, capsys) -> None:
     with svc.client(KEY_B) as http:
         ids = []
         for n in range(3):  # Flash: no Flash worker runs, so they stay queued
@@ -82,6 +83,15 @@ def test_listing_is_per_key_newest_first_and_paginated(svc: BatchService) -> Non
     assert body["error_file"]["lines"] == 3 and body["error_file"]["key"].endswith(f"batch-{ids[2]}.errors.jsonl")
     assert [(e["custom_id"], e["status"], e["error"]["code"]) for e in errors] == [
         ("2-0", "canceled", "canceled"), ("2-1", "canceled", "canceled"), ("2-2", "canceled", "canceled")]
+
+    # `auk cancel` from the command line does the same.
+    monkeypatch.setenv("AUK_API_URL", svc.url)
+    monkeypatch.setenv("AUK_API_KEY", KEY_B)
+    capsys.readouterr()
+    assert auk(["cancel", ids[1]]) == 0
+    by_cli = json.loads(capsys.readouterr().out)
+    assert by_cli["id"] == ids[1] and by_cli["counts"]["canceled"] == 2 and by_cli["manifest"]["url"]
+    assert auk(["cancel", ids[1]]) == 1 and "already_finished" in capsys.readouterr().err
 
 
 def test_the_error_file_holds_the_lines_that_failed(svc: BatchService) -> None:

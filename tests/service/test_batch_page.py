@@ -24,7 +24,7 @@ import pytest
 import soundfile as sf
 
 from api.links import LinkSigner
-from auk_worker.client import main_client
+from auk_worker.cli import main as auk
 from auk_worker.service.settings import Settings
 from tests.service.batch_service import KEY_A, KEY_B, KEY_C, BatchService, batch_service
 from tests.service.conftest import BUCKET
@@ -93,7 +93,7 @@ def page_url(svc: BatchService, batch_id: str, capsys) -> str:
     os.environ["AUK_API_URL"], os.environ["AUK_API_KEY"] = svc.url, KEY_A
     try:
         capsys.readouterr()
-        assert main_client("page", [batch_id]) == 0
+        assert auk(["page", batch_id]) == 0
     finally:
         del os.environ["AUK_API_URL"], os.environ["AUK_API_KEY"]
     url = capsys.readouterr().out.strip()
