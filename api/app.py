@@ -18,9 +18,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from api.auth import KeyRing
-from api.deps import build_services
+from api.deps import build_services, start_dispatcher
 from api.errors import error_response, install_error_handlers, too_large
-from api.routes import batches, health, jobs, uploads
+from api.links import LinkSigner
+from api.routes import batch_manage, batch_page, batches, health, jobs, uploads, webhooks
 from auk_worker.errors import InfraError
 from auk_worker.service.settings import Settings
 
@@ -42,8 +43,13 @@ def create_app(settings: Settings) -> FastAPI:
             built.storage.ensure_buckets()
         except InfraError as exc:  # the API still starts; /readyz reports storage until it answers
             log.warning("storage: buckets not checked at start-up: %s", exc)
-        yield
-        built.redis.close()
+        dispatcher = start_dispatcher(built)
+        try:
+            yield
+        finally:
+            if dispatcher is not None:
+                dispatcher.close()
+            built.redis.close()
 
     app = FastAPI(
         title="AuK render service",
@@ -53,8 +59,9 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.services = built
     app.state.keyring = KeyRing(settings.api_keys)
+    app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    for routes in (uploads, jobs, batches, health):
+    for routes in (uploads, jobs, batch_manage, batches, batch_page, webhooks, health):
         app.include_router(routes.router)
 
     # (what, limit): the upload and the batch are checked again while read; this refuses early on the header.

@@ -1,7 +1,7 @@
 """The API's clients, built once per app, and the FastAPI dependency that hands them to a route.
 
-Routes reach Redis only through the stores (``JobStore``, ``UploadStore``); the client itself is here for the
-readiness check's heartbeats and to be closed when the app stops.
+Routes reach Redis only through the stores (``JobStore``, ``UploadStore``, ``BatchBook``, the webhook stores); the
+client itself is here for the readiness check's heartbeats and to be closed when the app stops.
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ import redis
 from celery import Celery
 from fastapi import Request
 
+from auk_worker.service.batches import BatchBook
 from auk_worker.service.celery_app import make_celery
 from auk_worker.service.jobs import JobStore
+from auk_worker.service.notify import Notifier, NotifyingJobStore
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage
 from auk_worker.service.uploads import UploadStore
+from auk_worker.service.webhooks import RetryPolicy, WebhookDispatcher, WebhookSecrets, WebhookStore
+from auk_worker.urlguard import UrlGuard, UrlPolicy
 
 REDIS_TIMEOUT_S = 5.0
 
@@ -31,6 +35,11 @@ class Services:
     uploads: UploadStore
     storage: Storage
     celery: Celery
+    batches: BatchBook
+    notifier: Notifier  # enqueues the webhooks of ended jobs and batches (``store`` calls it on every end)
+    webhooks: WebhookStore
+    webhook_secrets: WebhookSecrets
+    webhook_guard: UrlGuard
 
 
 def build_services(settings: Settings) -> Services:
@@ -39,16 +48,36 @@ def build_services(settings: Settings) -> Services:
         settings.redis_url, decode_responses=True,
         socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
     )  # fmt: skip
+    storage = Storage(settings)
+    notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)
+    store = NotifyingJobStore(client, notifier)
+    policy = RetryPolicy(base_s=settings.webhook_retry_base_s, cap_s=settings.webhook_retry_cap_s,
+                         max_attempts=settings.webhook_max_attempts)  # fmt: skip
     return Services(
         settings=settings,
         redis=client,
-        store=JobStore(client),
+        store=store,
         uploads=UploadStore(client),
-        storage=Storage(settings),
+        storage=storage,
         celery=make_celery(settings),
+        batches=BatchBook(store),
+        notifier=notifier,
+        webhooks=WebhookStore(client, policy=policy),
+        webhook_secrets=WebhookSecrets(client),
+        webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),
     )
 
 
 def services(request: Request) -> Services:
     """FastAPI dependency: the app's clients."""
     return request.app.state.services
+
+
+def start_dispatcher(svc: Services) -> WebhookDispatcher | None:
+    """The webhook dispatcher's threads inside the API process (``AUK_WEBHOOK_THREADS``, 0 for none: then run
+    ``python -m auk_worker.service.webhooks`` beside it)."""
+    settings = svc.settings
+    if settings.webhook_threads == 0:
+        return None
+    return WebhookDispatcher(svc.webhooks, svc.webhook_secrets, svc.webhook_guard, timeout_s=settings.webhook_timeout_s,
+                             threads=settings.webhook_threads).start()  # fmt: skip

@@ -32,6 +32,7 @@ from auk_worker.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+from auk_worker.service.batches import batch_state  # noqa: F401 - a batch's status, kept with its store
 from auk_worker.service.jobs import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,6 @@ def require_cancelable(status: JobStatus, job_id: str) -> None:
     """A finished job keeps its final state: cancelling it is a conflict, not a silent no-op."""
     if status in TERMINAL:
         raise Conflict(f"job {job_id!r} is already {status.value} and cannot be canceled", code="already_finished")
-
-
-def batch_state(counts: Mapping[str, int], total: int, manifest_stored: bool) -> str:
-    """``running`` while a job of the batch is not terminal, ``finishing`` until its manifest is stored, then
-    ``done``: a caller who waits for ``done`` always finds the manifest linked."""
-    finished = sum(counts.get(status.value, 0) for status in TERMINAL)
-    if finished < total:
-        return "running"
-    return "done" if manifest_stored else "finishing"
 
 
 def describe_validation_errors(errors: Iterable[Mapping[str, Any]], *, skip: Sequence[str] = ("body",)) -> list[dict]:

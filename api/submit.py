@@ -120,6 +120,7 @@ def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: 
         existing = svc.store.by_idempotency_key(owner, idempotency_key)
         if existing is not None:
             return _same_request(existing, request, idempotency_key), False
+    check_webhook_url(svc, request.webhook_url)
     prepared = prepare(request, ClipResolver(svc, owner))
     queue = queue_name(request.variant, request.priority)
     record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
@@ -154,9 +155,23 @@ def send_render(svc: Services, record: JobRecord) -> None:
 # ---------------------------------------------------------------------------------------------------- a batch
 
 
-def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]], bad: list[dict]) -> dict:
+def check_webhook_url(svc: Services, url: str | None) -> None:
+    """A webhook URL the guard refuses (loopback, private, link-local, metadata, unless ``AUK_WEBHOOK_ALLOW`` names
+    it; or a host that does not resolve) is the caller's error, named with the field."""
+    if url is None:
+        return
+    try:
+        svc.webhook_guard.check(url)
+    except InputError as exc:
+        raise InputError(f"webhook_url: {exc.message}", code=exc.code) from None
+
+
+def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]], bad: list[dict],
+                 webhook_url: str | None = None) -> dict:
     """Check every line (``(line number, request)``, plus the lines the caller already found ``bad``), then write
-    the batch and send its groups. Any bad line: InputError ``invalid_batch`` listing them, nothing written."""
+    the batch and send its groups. Any bad line: InputError ``invalid_batch`` listing them, nothing written.
+    ``webhook_url`` is called with the batch's record once its manifest is stored."""
+    check_webhook_url(svc, webhook_url)
     resolver = ClipResolver(svc, owner)
     bad = list(bad)
     good: list[tuple[JobRequest, dict[str, Any]]] = []
@@ -176,6 +191,7 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
         for request, prepared in good
     ]
     batch_id = svc.store.create_batch(owner, records)
+    svc.batches.register(batch_id, owner, webhook_url)
     max_jobs, defaults = group_limits(svc.settings.deploy_config)
     groups = plan_groups(records, max_jobs, defaults) if max_jobs > 1 else [[record] for record in records]
     for sent, group in enumerate(groups):

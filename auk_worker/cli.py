@@ -5,6 +5,7 @@
     auk download DEST [--variant base|flash]
     auk worker ...            (Celery worker; see `auk worker --help`)
     auk submit|status|wait|fetch ...   (REST API client)
+    auk page BATCH_ID | cancel ID      (a batch's listening-page link; cancel a job or batch)
 
 Heavy imports (torch, the model) happen inside the subcommands, so `auk submit` starts fast.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from auk_worker.errors import AuKError
 
 CLIENT_COMMANDS = ("submit", "status", "wait", "fetch")
+BATCH_COMMANDS = ("page", "cancel")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from auk_worker.service.worker import main_worker
 
         return main_worker(argv[1:])
+    if argv and argv[0] in BATCH_COMMANDS:
+        from auk_worker.client_batches import main_batches
+
+        return main_batches(argv[0], argv[1:])
     if argv and argv[0] in CLIENT_COMMANDS:
         from auk_worker.client import main_client
 
@@ -76,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     download.add_argument("--revision", help="a hub revision (default: main)")
     download.set_defaults(run=_download)
 
-    for name in ("worker", *CLIENT_COMMANDS):
+    for name in ("worker", *CLIENT_COMMANDS, *BATCH_COMMANDS):
         sub.add_parser(name, help=f"see `auk {name} --help`", add_help=False)
     return parser
 

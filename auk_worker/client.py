@@ -138,6 +138,7 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
         _print_json(batch)
         print(f"batch {batch['id']}: {batch['total']} jobs queued; follow it with `auk wait {batch['id']}`",
               file=sys.stderr)
+        _announce_page(batch["id"])
         return 0
     body: dict[str, Any] = {name: getattr(args, name) for name in JOB_FIELDS if getattr(args, name) is not None}
     if args.audio is not None:
@@ -153,6 +154,16 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
     job = api.request("POST", "/v1/jobs", json=body, headers=headers)
     _print_json(job)
     return 0
+
+
+def _announce_page(batch_id: str) -> None:
+    """Print the batch's listening-page link (``auk page``), or why there is none; the batch is queued either way."""
+    from auk_worker.client_batches import CommandError, page_link
+
+    try:
+        print(f"listen: {page_link(batch_id)}", file=sys.stderr)
+    except CommandError as exc:
+        print(f"no page link ({exc}); try `auk page {batch_id}` later", file=sys.stderr)
 
 
 # -- status / wait -----------------------------------------------------------------------------------------------

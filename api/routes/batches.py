@@ -7,7 +7,8 @@ are written in one transaction, then the jobs go to their variant's bulk queue: 
 compatible jobs (same schedule, similar lengths, at most the deploy config's stage 1 ``max_num_seqs`` each;
 ``auk_worker/service/grouping.py``) that a worker renders in shared DiT passes, or one ``auk.render`` task a job
 when ``max_num_seqs`` is 1. When the batch's last job finishes, the worker writes a JSONL manifest next to the
-WAVs; ``GET /v1/batches/{id}`` links it.
+WAVs, with an error file of the lines that did not succeed; ``GET /v1/batches/{id}`` links both. Listing,
+cancelling and the listening page are in ``batch_manage.py`` and ``batch_page.py``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from __future__ import annotations
 import json
 import logging
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from api.auth import caller
 from api.deps import Services, services
-from api.errors import batch_state, describe_validation_errors, json_failure, summarize, too_large
+from api.batch_views import batch_record
+from api.errors import describe_validation_errors, json_failure, summarize, too_large
 from api.submit import submit_batch
 from auk_worker.errors import InputError, MalformedBody, NotFound, UnsupportedMediaType
 from auk_worker.service.schema import JobRequest
@@ -109,6 +111,8 @@ def parse_lines(text: str) -> tuple[list[tuple[int, JobRequest]], list[dict]]:
             request = _parse_line(line)
             if not request.custom_id:
                 raise InputError("custom_id: field required in a batch line")
+            if request.webhook_url is not None:
+                raise InputError("webhook_url: set it on the batch (POST /v1/batches?webhook_url=...), not on a line")
             if request.custom_id in seen:
                 raise InputError(f"custom_id: {request.custom_id!r} repeats line {seen[request.custom_id]}")
             seen[request.custom_id] = number
@@ -122,7 +126,8 @@ def parse_lines(text: str) -> tuple[list[tuple[int, JobRequest]], list[dict]]:
 
 
 @router.post("/batches", status_code=202, summary="Enqueue a JSONL batch", openapi_extra=_BATCH_BODY_DOC)
-async def create_batch(request: Request, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
+async def create_batch(request: Request, owner: str = Depends(caller), svc: Services = Depends(services),
+                       webhook_url: str | None = Query(None, min_length=1, max_length=2048)) -> dict:
     data = await _read_body(request)
     try:
         text = data.decode("utf-8")
@@ -135,24 +140,18 @@ async def create_batch(request: Request, owner: str = Depends(caller), svc: Serv
         message = f"the batch has {lines} job lines; at most {MAX_BATCH_LINES} are accepted"
         raise InputError(message, code="too_many_lines")
     # Parsing and submitting (Redis, storage, perhaps decoding clips) run off the event loop.
-    return await run_in_threadpool(_parse_and_submit, svc, owner, text)
+    return await run_in_threadpool(_parse_and_submit, svc, owner, text, webhook_url)
 
 
-def _parse_and_submit(svc: Services, owner: str, text: str) -> dict:
+def _parse_and_submit(svc: Services, owner: str, text: str, webhook_url: str | None) -> dict:
     good, bad = parse_lines(text)
-    return submit_batch(svc, owner, good, bad)
+    return submit_batch(svc, owner, good, bad, webhook_url)
 
 
-@router.get("/batches/{batch_id}", summary="Read a batch: counts by status and, when done, its manifest")
+@router.get("/batches/{batch_id}", summary="Read a batch: counts by status; once done, its manifest and error file")
 def get_batch(batch_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
-    batch = svc.store.get_batch(batch_id)
-    if batch is None or batch["owner"] != owner:
+    batch = svc.batches.owned(batch_id, owner)
+    if batch is None:
         raise NotFound(f"no batch {batch_id!r}")
-    status = batch_state(batch["counts"], batch["total"], manifest_stored=bool(batch.get("manifest_key")))
-    manifest = None
-    if status == "done":
-        key = batch["manifest_key"]
-        manifest = {"key": key, "url": svc.storage.presign_get(key, svc.settings.presign_seconds)}
-    return {"id": batch["id"], "total": batch["total"], "counts": batch["counts"], "status": status,
-            "created_at": batch["created_at"], "manifest": manifest}
+    return batch_record(svc, batch)
 

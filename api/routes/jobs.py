@@ -28,12 +28,13 @@ MAX_IDEMPOTENCY_KEY = 255
 
 
 def public(svc: Services, record: JobRecord) -> dict[str, Any]:
-    """The record as callers see it; a result carries a freshly presigned URL."""
+    """The record as callers see it; a result carries a freshly presigned URL, a webhook its delivery state."""
     body = record.to_public()
     result = body.get("result")
     if result and result.get("key"):
         expires = svc.settings.presign_seconds
         body["result"] = {**result, "url": svc.storage.presign_get(result["key"], expires, bucket=result.get("bucket"))}
+    body["webhook"] = svc.notifier.view("job", record.id, record.request.get("webhook_url"))
     return body
 
 

@@ -67,6 +67,8 @@ class JobRequest(BaseModel):
     output_format: OutputFormat = "pcm16"
     custom_id: str | None = Field(default=None, max_length=256)
     priority: Priority = "interactive"
+    # Called when the job ends (checked by urlguard at submit and again at each send; see notify.py).
+    webhook_url: str | None = Field(default=None, min_length=1, max_length=2048)
 
     @model_validator(mode="after")
     def _rules(self) -> JobRequest:

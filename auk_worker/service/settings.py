@@ -43,6 +43,32 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     return value
 
 
+def _positive(env: Mapping[str, str], name: str, default: float) -> float:
+    """A positive, finite number (of seconds)."""
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _allow_list(env: Mapping[str, str], name: str) -> str:
+    """Hosts and networks (comma or space separated) as ``urlguard.UrlPolicy.parse`` reads them, checked here."""
+    from auk_worker.urlguard import UrlPolicy
+
+    raw = _get(env, name) or ""
+    try:
+        UrlPolicy.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    return raw
+
+
 def _url(env: Mapping[str, str], name: str, schemes: tuple[str, ...], default: str | None) -> str | None:
     raw = _get(env, name) or default
     if raw is None:
@@ -91,6 +117,18 @@ class Settings:
     pipeline: str = "auk"
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
     retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
+    # Webhooks (webhooks.py, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher threads
+    # the API runs (0: none, run `python -m auk_worker.service.webhooks` instead); its timeout and retry schedule.
+    webhook_allow: str = ""  # AUK_WEBHOOK_ALLOW, e.g. "127.0.0.1,hooks.internal,10.1.0.0/16"
+    webhook_threads: int = 2  # AUK_WEBHOOK_THREADS
+    webhook_timeout_s: float = 10.0  # AUK_WEBHOOK_TIMEOUT
+    webhook_retry_base_s: float = 30.0  # AUK_WEBHOOK_RETRY_BASE: the first retry's longest delay; doubles
+    webhook_retry_cap_s: float = 6 * 3600.0  # AUK_WEBHOOK_RETRY_CAP: the longest delay between two attempts
+    webhook_max_attempts: int = 15  # AUK_WEBHOOK_MAX_ATTEMPTS
+    # The batch page's signed links (api/links.py): the HMAC key (default: derived from AUK_API_KEYS, so every API
+    # replica verifies every link) and how long a link lives unless the caller asks for less or more (at most 7 d).
+    link_secret: str | None = field(default=None, repr=False)  # AUK_LINK_SECRET
+    link_seconds: int = 3600  # AUK_LINK_SECONDS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -125,6 +163,14 @@ class Settings:
             pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),
             retry_max=_int(env, "AUK_RETRY_MAX", 6, minimum=0),
             retry_backoff_s=backoff,
+            webhook_allow=_allow_list(env, "AUK_WEBHOOK_ALLOW"),
+            webhook_threads=_int(env, "AUK_WEBHOOK_THREADS", 2, minimum=0),
+            webhook_timeout_s=_positive(env, "AUK_WEBHOOK_TIMEOUT", 10.0),
+            webhook_retry_base_s=_positive(env, "AUK_WEBHOOK_RETRY_BASE", 30.0),
+            webhook_retry_cap_s=_positive(env, "AUK_WEBHOOK_RETRY_CAP", 6 * 3600.0),
+            webhook_max_attempts=_int(env, "AUK_WEBHOOK_MAX_ATTEMPTS", 15, minimum=1),
+            link_secret=_get(env, "AUK_LINK_SECRET"),
+            link_seconds=_int(env, "AUK_LINK_SECONDS", 3600, minimum=1),
         )
 
     def require_storage(self) -> None:

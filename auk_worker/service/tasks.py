@@ -26,7 +26,6 @@ No torch import here: the real pipeline brings it, and the out-of-memory check l
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -43,13 +42,14 @@ from celery import Celery, Task
 from auk_worker import rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory
+from auk_worker.service.batches import write_results
 from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, manifest_key, result_key, upload_key
+from auk_worker.service.storage import Storage, result_key, upload_key
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.wav import write_wav
 
@@ -340,6 +340,9 @@ def _after_terminal(rt: RenderRuntime, job_id: str, record: JobRecord | None) ->
     its message to write it, so this does not wait for a turn. A second write, racing that worker's, stores the
     same bytes: the records of an ended batch no longer change."""
     record = record or rt.store.get(job_id)
+    notifier = getattr(rt.store, "notifier", None)
+    if notifier is not None:  # the transition's own enqueue may have been cut off; the delivery id makes it once
+        notifier.job_ended(record)
     if record is None or not record.batch_id:
         return
     batch = rt.store.get_batch(record.batch_id)
@@ -348,21 +351,10 @@ def _after_terminal(rt: RenderRuntime, job_id: str, record: JobRecord | None) ->
 
 
 def write_manifest(rt: RenderRuntime, batch_id: str) -> str:
-    """The batch's results manifest (JSONL: custom_id, job id, status, key or error), stored next to the WAVs."""
-    lines = []
-    for record in rt.store.batch_records(batch_id):
-        line: dict[str, Any] = {"custom_id": record.custom_id, "job_id": record.id, "status": record.status.value}
-        if record.status == JobStatus.SUCCEEDED and record.result:
-            line["key"] = record.result["key"]
-        else:
-            line["error"] = record.error
-        lines.append(json.dumps(line, separators=(",", ":")))
-    key = manifest_key(rt.settings.s3_prefix, batch_id)
-    # If storage refuses, the InfraError retries the task; its delivery meets an ended job and writes it then.
-    rt.storage.put_bytes(key, ("\n".join(lines) + "\n").encode(), "application/x-ndjson")
-    rt.store.set_batch_manifest(batch_id, key)
-    log.info("batch %s: manifest of %d jobs written to %s", batch_id, len(lines), key)
-    return key
+    """The batch's results: its error file and manifest (JSONL: custom_id, job id, status, key or error), stored
+    next to the WAVs, and its webhook (``batches.write_results``). If storage refuses, the InfraError retries the
+    task; its delivery meets an ended job and writes them then."""
+    return write_results(rt.store, rt.storage, rt.settings.s3_prefix, batch_id)
 
 
 # ---------------------------------------------------------------------------------------------------- boundary

@@ -506,21 +506,26 @@ def _first_bytes(response: httpx.Response, limit: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a dispatcher until SIGINT or SIGTERM."""
+    """Run a dispatcher until SIGINT or SIGTERM; defaults from the ``AUK_*`` settings (``AUK_WEBHOOK_*``)."""
     from auk_worker.service.settings import Settings
 
+    settings = Settings.from_env()
     parser = argparse.ArgumentParser(prog="python -m auk_worker.service.webhooks", description=main.__doc__)
-    parser.add_argument("--redis-url", default=None, help="default: AUK_REDIS_URL")
-    parser.add_argument("--allow", default="", help="hosts and networks called although not public (comma list)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    parser.add_argument("--redis-url", default=settings.redis_url, help="default: AUK_REDIS_URL")
+    parser.add_argument("--allow", default=settings.webhook_allow,
+                        help="hosts and networks called although not public (comma list; default: AUK_WEBHOOK_ALLOW)")
+    parser.add_argument("--threads", type=int, default=max(1, settings.webhook_threads))
+    parser.add_argument("--timeout", type=float, default=settings.webhook_timeout_s, help="seconds per request")
     parser.add_argument("--idle", type=float, default=1.0, help="longest sleep between looks for due deliveries")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    url = args.redis_url or Settings.from_env().redis_url
+    url = args.redis_url
     client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5)
-    dispatcher = WebhookDispatcher(WebhookStore(client), WebhookSecrets(client), UrlGuard(UrlPolicy.parse(args.allow)),
-                                   timeout_s=args.timeout, threads=args.threads, idle_s=args.idle)
+    policy = RetryPolicy(base_s=settings.webhook_retry_base_s, cap_s=settings.webhook_retry_cap_s,
+                         max_attempts=settings.webhook_max_attempts)
+    dispatcher = WebhookDispatcher(WebhookStore(client, policy=policy), WebhookSecrets(client),
+                                   UrlGuard(UrlPolicy.parse(args.allow)), timeout_s=args.timeout,
+                                   threads=args.threads, idle_s=args.idle)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

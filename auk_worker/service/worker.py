@@ -25,7 +25,7 @@ from celery import signals
 from auk_worker.errors import AuKError, ConfigError, InfraError
 from auk_worker.service.celery_app import make_celery, worker_queues
 from auk_worker.service.health import Heartbeat
-from auk_worker.service.jobs import JobStore
+from auk_worker.service.notify import notifying_store
 from auk_worker.service.settings import VARIANTS, Settings
 from auk_worker.service.storage import Storage
 from auk_worker.service.tasks import Pipeline, RenderRuntime, register
@@ -85,7 +85,8 @@ def run_worker(settings: Settings, deploy=None, *, hostname: str | None = None, 
         log.warning("worker %s: storage not reachable at start (%s); jobs will retry", hostname, exc)
 
     app = make_celery(settings)
-    runtime = RenderRuntime(settings, pipeline, JobStore(client), storage, heartbeat,
+    store = notifying_store(client, storage, settings.presign_seconds)  # ended jobs enqueue their webhooks
+    runtime = RenderRuntime(settings, pipeline, store, storage, heartbeat,
                             holder=f"{hostname}:{os.getpid()}")  # fmt: skip
     register(app, runtime)
 
