@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import redis
 
 from auk_worker.errors import ConfigError
-from auk_worker.service.health import heartbeat_key
+from auk_worker.service.health import SERVING_STATES, heartbeat_key
 from auk_worker.service.settings import Settings
 
-SERVING_STATES = ("ready", "busy")
 DEFAULT_MAX_AGE_S = 15.0
 REDIS_TIMEOUT_S = 3.0  # well inside a probe's timeoutSeconds
 

@@ -210,7 +210,8 @@ def test_health_readiness_and_docs(service: Service) -> None:
         body = ready.json()
         assert body["redis"] is True and body["storage"] is True
         assert body["workers_ready"] >= 1
-        assert any(w["hostname"] == "api-tiny" and w["state"] in ("ready", "busy") for w in body["workers"])
+        assert any(w["id"] == "api-tiny" and w["state"] in ("ready", "busy") for w in body["workers"])
+        assert all(set(w) == {"id", "state", "variant", "age_s"} for w in body["workers"])  # never a job id
         assert http.get("/docs").status_code == 200
         paths = http.get("/openapi.json").json()["paths"]
         assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/batches", "/v1/uploads"} <= set(paths)
