@@ -193,6 +193,17 @@ def public_view(beat: dict[str, str], now: float | None = None) -> dict[str, Any
             "age_s": age}  # fmt: skip
 
 
+def live_variants(beats: list[dict[str, Any]]) -> tuple[dict[str, list[str]], int]:
+    """From ``read_heartbeats``: each variant the live workers serve or are loading (state other than ``failed``)
+    with their ids, and how many live workers there are. A worker that does not know its variant yet (started
+    without ``AUK_VARIANT``, still loading its checkpoint) is listed under ``"?"``."""
+    variants: dict[str, list[str]] = {}
+    live = [beat for beat in beats if beat.get("state") != "failed"]
+    for beat in live:
+        variants.setdefault(beat.get("variant") or "?", []).append(beat.get("id", ""))
+    return variants, len(live)
+
+
 def read_heartbeats(client: redis.Redis, namespace: str = "auk") -> list[dict[str, Any]]:
     """Every live worker's heartbeat (the API's readiness check); stale ids are pruned from the index."""
     index = f"{namespace}:workers"

@@ -21,6 +21,8 @@ VARIANTS = ("base", "flash")
 # AUK_PIPELINE: ``auk`` loads AUK_CHECKPOINT; ``instant`` is the model-free fake of the queue-overhead benchmark and
 # the fault tests; ``random-release`` (benchmark only: bench/throughput.py) builds release-size random weights.
 PIPELINES = ("auk", "instant", "random-release")
+# AUK_VARIANT_CHECK: when the API refuses a job whose variant no live worker serves (api/submit.py).
+VARIANT_CHECKS = ("live", "strict", "off")
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -146,6 +148,7 @@ class Settings:
     link_seconds: int = 3600  # AUK_LINK_SECONDS
     worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
+    variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -190,6 +193,7 @@ class Settings:
             link_seconds=_int(env, "AUK_LINK_SECONDS", 3600, minimum=1),
             worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
             stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
+            variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
         )
 
     def require_storage(self) -> None:

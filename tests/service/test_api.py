@@ -80,8 +80,10 @@ def service(
     )
     client = redis_server.client()
     client.flushdb()
+    # AUK_VARIANT_CHECK=off: test_cancel_a_queued_job_is_never_rendered queues a Flash job before any Flash worker
+    # runs (test_recovery.py tests the refusal itself).
     api_env = {**env, "AUK_API_KEYS": f"{KEY_A},{KEY_B},{KEY_C}", "AUK_API_PORT": str(port),
-               "AUK_MAX_UPLOAD_BYTES": str(MAX_UPLOAD)}  # fmt: skip
+               "AUK_MAX_UPLOAD_BYTES": str(MAX_UPLOAD), "AUK_VARIANT_CHECK": "off"}  # fmt: skip
     api = _api_process(api_env, logdir / "api.log")
     worker = WorkerProcess(env, "api-tiny", logdir).start()
     url = f"http://127.0.0.1:{port}"
