@@ -273,13 +273,15 @@ class WorkerProcess:
     """One ``auk worker`` subprocess (solo pool: it renders in its main process) under the worker id ``hostname``.
 
     ``cwd`` is its working directory (the repository by default); ``start`` again after a kill starts a new
-    instance under the same worker id, as a supervisor restarting a container would.
+    instance under the same worker id, as a supervisor restarting a container would. ``id_from_env``: pass no
+    ``--worker-id``; the worker takes its id from ``AUK_WORKER_ID`` or its default, which ``hostname`` must name.
     """
 
     def __init__(self, env: Mapping[str, str], hostname: str, logdir: Path, extra_args: list[str] | None = None,
-                 cwd: Path | None = None):  # fmt: skip
+                 cwd: Path | None = None, id_from_env: bool = False):  # fmt: skip
         self.env = dict(env)
         self.hostname = hostname
+        self.id_from_env = id_from_env
         self.log = Path(logdir) / f"worker-{hostname}.log"
         self.extra_args = extra_args or []
         self.cwd = Path(cwd) if cwd is not None else REPO
@@ -291,8 +293,8 @@ class WorkerProcess:
         return self.proc.pid
 
     def start(self) -> WorkerProcess:
-        cmd = [sys.executable, "-m", "auk_worker.service.worker", "--worker-id", self.hostname,
-               "--loglevel", "INFO", *self.extra_args]  # fmt: skip
+        identity = [] if self.id_from_env else ["--worker-id", self.hostname]
+        cmd = [sys.executable, "-m", "auk_worker.service.worker", *identity, "--loglevel", "INFO", *self.extra_args]
         self.proc = _spawn(cmd, self.log, env=_python_env(self.env), cwd=self.cwd)
         return self
 
