@@ -20,6 +20,8 @@ Keys (namespace ``auk``):
 - ``auk:batch:{id}``          hash: owner, total, created_at, a count per status, the terminal count, manifest key
 - ``auk:batch:{id}:jobs``     zset: the batch's job ids scored like the owner index
 - ``auk:running``             set: the keys of running records (what the reaper looks through)
+- ``auk:delivered``           set: the keys of queued records a worker has received but not started (``delivered``
+  on the record names that worker's holder), so that a worker that dies between the two is noticed too
 - ``auk:worker:{worker id}``  hash: a worker's heartbeat (see ``health.py``); ``auk:workers`` set of worker ids
 
 The holder checks read heartbeat keys a script is not handed in ``KEYS``: fine on one Redis (or a Sentinel-managed
@@ -168,12 +170,14 @@ class Transition:
 
 @dataclass(frozen=True)
 class Orphan:
-    """A running job no live attempt holds: its holder died (``dead``) or let go of it."""
+    """A running job no live attempt holds: its holder died (``dead``) or let go of it; or (``started`` False) a
+    queued job whose message a worker received and that worker died before starting it."""
 
     job_id: str
     queue: str | None
     holder: str
     dead: bool
+    started: bool = True
 
 
 def _flat_to_dict(flat: list[str]) -> dict[str, str]:
@@ -256,6 +260,8 @@ if status == 'running' then
 end
 redis.call('HINCRBY', job, 'attempts', 1)
 redis.call('HSET', job, 'status', 'running', 'worker', ARGV[3], 'held_at', ARGV[4], 'progress', '')
+redis.call('HDEL', job, 'delivered')
+redis.call('SREM', ARGV[1] .. ':delivered', job)
 redis.call('SADD', ARGV[1] .. ':running', job)
 local started = redis.call('HGET', job, 'started_at')
 if (not started) or started == '' then redis.call('HSET', job, 'started_at', ARGV[2]) end
@@ -319,9 +325,43 @@ for _, job in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     end
   end
 end
+-- Received but never started: only a dead receiver makes an orphan (a live one may hold it for a retry's ETA).
+local delivered = ARGV[1] .. ':delivered'
+for _, job in ipairs(redis.call('SMEMBERS', delivered)) do
+  local rec = redis.call('HMGET', job, 'status', 'delivered', 'queue')
+  if rec[1] ~= 'queued' or (not rec[2]) or rec[2] == '' then
+    redis.call('SREM', delivered, job)
+  else
+    local id = string.sub(job, #prefix + 1)
+    if holder_state(ARGV[1], rec[2], id, nil) == 'dead' then
+      out[#out + 1] = {id, rec[3] or '', rec[2], 'unstarted'}
+    end
+  end
+end
 return out
 """
 )
+
+# KEYS: job keys. ARGV: namespace, holder. Marks each queued one as received by that holder.
+_DELIVER = """
+for _, job in ipairs(KEYS) do
+  if redis.call('HGET', job, 'status') == 'queued' then
+    redis.call('HSET', job, 'delivered', ARGV[2])
+    redis.call('SADD', ARGV[1] .. ':delivered', job)
+  end
+end
+return 1
+"""
+
+# KEYS: job. ARGV: namespace, holder. Forgets a delivery to that (dead) holder of a still queued record; 1 if it did.
+_UNDELIVER = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'queued' or redis.call('HGET', KEYS[1], 'delivered') ~= ARGV[2] then
+  return 0
+end
+redis.call('HDEL', KEYS[1], 'delivered')
+redis.call('SREM', ARGV[1] .. ':delivered', KEYS[1])
+return 1
+"""
 
 # KEYS: job. ARGV: namespace, holder, job id. running -> queued when that holder still has it and no longer holds
 # it (kills + 1 when it is dead). Returns {} when nothing changed, else {kills}.
@@ -353,6 +393,8 @@ class JobStore:
         self._progress = redis_client.register_script(_PROGRESS)
         self._orphans = redis_client.register_script(_ORPHANS)
         self._release = redis_client.register_script(_RELEASE)
+        self._deliver = redis_client.register_script(_DELIVER)
+        self._undeliver = redis_client.register_script(_UNDELIVER)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "auk") -> JobStore:
@@ -512,9 +554,19 @@ class JobStore:
 
     # -- recovery (recovery.py) ---------------------------------------------------------------------------------
     def orphans(self) -> builtins.list[Orphan]:
-        """Running records whose holder is dead or has let go of them."""
+        """Running records whose holder is dead or has let go of them, and queued ones a dead worker received."""
         rows = self._orphans(keys=[f"{self.ns}:running"], args=[self.ns])
-        return [Orphan(job_id, queue or None, holder, state == "dead") for job_id, queue, holder, state in rows]
+        return [Orphan(job_id, queue or None, holder, state != "let go", started=state != "unstarted")
+                for job_id, queue, holder, state in rows]  # fmt: skip
+
+    def mark_delivered(self, job_ids: builtins.list[str], holder: str) -> None:
+        """Note on each still queued record that ``holder`` received its message (before it starts the job)."""
+        if job_ids:
+            self._deliver(keys=[self.job_key(job_id) for job_id in job_ids], args=[self.ns, holder])
+
+    def forget_delivery(self, job_id: str, holder: str) -> bool:
+        """Drop a queued record's delivery to ``holder`` (dead before it started the job); True if it was there."""
+        return bool(self._undeliver(keys=[self.job_key(job_id)], args=[self.ns, holder]))
 
     def release(self, job_id: str, holder: str) -> int | None:
         """running -> queued for a job ``holder`` had and no longer holds (kills + 1 when it is dead); the job's

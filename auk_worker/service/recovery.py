@@ -20,6 +20,14 @@ message and a record a start can still take (counting the kill itself), never a 
 A member of a bulk group comes back as a single job, which also keeps a job that may crash workers away from its
 neighbours.
 
+A worker can also die after it received a message and before it started the job (a group's later members wait
+for the earlier ones' starts): the record is still ``queued`` and its only message sits in kombu's ``unacked`` hash
+for the visibility timeout. So a worker notes each message it receives on the records (``task_received`` signal,
+``JobStore.mark_delivered``: ``delivered`` = its holder, set ``auk:delivered``), and the reaper sends again a queued
+job whose receiver is dead (never one whose receiver is alive: it may be holding the message for a retry's
+countdown). No kill is counted: the job never ran. What remains is kombu's own window between ``BRPOP`` and its
+write to ``unacked``, where a kill loses the message itself; the record then stays ``queued``.
+
 What keeps a job from running twice at once, or storing two WAVs:
 
 - ``start`` refuses a job a live holder holds: the duplicate delivery is acknowledged and dropped. The old message
@@ -99,6 +107,11 @@ class Reaper:
         variant = (record.request.get("variant") if record else None) or "base"
         queue = queue_name(variant, RECOVERY)
         self.send(orphan.job_id, queue)
+        if not orphan.started:  # never started: no kill to count, and the record is queued already
+            self.store.forget_delivery(orphan.job_id, orphan.holder)
+            log.warning("job %s: its receiver %s died before starting it; sent again to %s", orphan.job_id,
+                        orphan.holder, queue)  # fmt: skip
+            return Recovered(orphan.job_id, orphan.holder, True, record.kills if record else None)
         kills = self.store.release(orphan.job_id, orphan.holder)
         why = "died" if orphan.dead else "let go of it"
         log.warning("job %s: its holder %s %s; sent again to %s (kills %s)", orphan.job_id, orphan.holder, why,

@@ -36,6 +36,7 @@ from celery import Celery, bootsteps, signals
 
 from auk_worker.errors import AuKError, ConfigError, InfraError
 from auk_worker.service.celery_app import RENDER_TASK, make_celery, worker_queues
+from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
@@ -116,6 +117,23 @@ def _reaper(settings: Settings, store: JobStore) -> Reaper:
     return Reaper(store, send)
 
 
+def _note_delivery(store: JobStore, holder: str):
+    """A ``task_received`` handler: the jobs of a message this worker received, before it starts them, are marked
+    as delivered to it, so that the reaper can send them again if it dies first (``recovery.py``)."""
+
+    def on_received(request=None, **_: object) -> None:
+        if request is None or request.name not in (RENDER_TASK, RENDER_GROUP_TASK) or not request.args:
+            return
+        first = request.args[0]
+        job_ids = [str(job_id) for job_id in first] if isinstance(first, list) else [str(first)]
+        try:
+            store.mark_delivered(job_ids, holder)
+        except redis.RedisError as exc:  # the start that follows will find Redis down too, and retry
+            log.warning("worker %s: delivery of %s not noted: %s", holder, ",".join(job_ids), exc)
+
+    return on_received
+
+
 def load_pipeline(settings: Settings, deploy=None) -> Pipeline:
     """The real pipeline from ``AUK_CHECKPOINT``; the instant fake for ``AUK_PIPELINE=instant``; for
     ``AUK_PIPELINE=random-release`` (benchmarks only: release-size random weights, audio is noise) the pipeline of
@@ -184,6 +202,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
 
     signals.worker_ready.connect(on_ready, weak=False)
+    signals.task_received.connect(_note_delivery(store, heartbeat.holder), weak=False)
     worker = app.Worker(
         hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),

@@ -188,3 +188,28 @@ def test_a_job_that_kills_its_worker_fails_after_max_kills_across_restarts(
         assert redis_client.hlen("unacked") == settings.max_kills
     finally:
         worker.terminate(timeout=20)
+
+
+def test_a_job_received_by_a_worker_that_died_before_starting_it_is_sent_again(redis_client, store) -> None:
+    """The window the fleet test found: a message received (a group's later members wait for the earlier ones'
+    starts) and the worker killed before the start. The record is still queued; its receiver is noted on it."""
+    from auk_worker.service.health import Heartbeat
+    from auk_worker.service.recovery import Reaper
+    from tests.service.test_worker import make_record
+
+    dead, waiting = (store.create(make_record({"instruction": "Hi.", "gen_seconds": 0.5}))[0] for _ in range(2))
+    alive = Heartbeat(redis_client, "w-alive", "base", instance="0a0a0a0a").start()  # holds one for a retry's ETA
+    try:
+        store.mark_delivered([dead.id], "w-gone/deadbeef")
+        store.mark_delivered([waiting.id], alive.holder)
+        sent: list[tuple[str, str]] = []
+        recovered = Reaper(store, lambda job_id, queue: sent.append((job_id, queue))).run()
+        assert sent == [(dead.id, "auk.base.recovery")] and [r.job_id for r in recovered] == [dead.id]
+        again = store.get(dead.id)
+        assert again.status == JobStatus.QUEUED and again.kills == 0 and again.attempts == 0
+        assert redis_client.smembers("auk:delivered") == {store.job_key(waiting.id)}
+        assert Reaper(store, lambda job_id, queue: sent.append((job_id, queue))).run() == []  # once
+        assert store.start(waiting.id, alive.holder) is not None  # a start forgets the delivery
+        assert redis_client.smembers("auk:delivered") == set()
+    finally:
+        alive.stop(remove=True)
