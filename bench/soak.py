@@ -28,11 +28,9 @@ import platform
 import random
 import re
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -44,7 +42,7 @@ import redis
 from auk_worker.service.jobs import JobStatus, JobStore
 from auk_worker.service.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, manifest_key
+from auk_worker.service.storage import Storage
 from bench.common import commit
 
 log = logging.getLogger("bench.soak")
@@ -65,6 +63,7 @@ class SoakConfig:
     step_delay_s: float = 0.1  # AUK_INSTANT_STEP_DELAY: how long the instant pipeline takes per step
     steps: int = 8  # per job: a group of 8 renders for steps x step delay
     timeout_s: float = 600.0  # the batch must be done by then
+    stall_s: float = 60.0  # after the last fault, give up when no job has ended for this long (stuck jobs)
     seed: int = 0
 
 
@@ -93,6 +92,7 @@ class SoakReport:
     redis_outages: list[dict] = field(default_factory=list)
     attempts_max: int = 0
     errors: list[dict] = field(default_factory=list)  # failed jobs' errors (first 20)
+    stuck_ids: list[str] = field(default_factory=list)  # first 20
 
     @property
     def recovery_s(self) -> list[float]:
@@ -123,7 +123,6 @@ class Soak:
         self.workers: list[WorkerProcess] = []
         self.env: dict[str, str] = {}
         self.report = SoakReport(config)
-        self._lock = threading.Lock()  # kills and recovery tracking vs the main loop
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -190,10 +189,17 @@ class Soak:
         next_fault = posted + config.kill_every_s
         faults = 0
         deadline = posted + config.timeout_s
+        progress, progress_at = -1, posted
         while not self._batch_done(store, batch_id):
             now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(f"batch {batch_id} not done after {config.timeout_s:.0f} s: {store.get_batch(batch_id)}")
+            terminal = self._terminal(store, batch_id)
+            if terminal != progress:
+                progress, progress_at = terminal, now
+            done_faulting = faults >= config.kills + config.redis_restarts
+            if now > deadline or (done_faulting and now - progress_at > config.stall_s):
+                log.error("batch %s: %d of %d jobs ended; giving up after %.0f s", batch_id, progress,
+                          config.jobs, now - posted)  # fmt: skip
+                break
             if faults < config.kills + config.redis_restarts and now >= next_fault:
                 if faults in outages_at and len(self.report.redis_outages) < config.redis_restarts:
                     self._redis_outage(posted)
@@ -210,6 +216,13 @@ class Soak:
             time.sleep(0.05)
         for item in pending:  # a job finished by a later attempt already: its next start is on its record
             self._recovered(store, *item)
+
+    def _terminal(self, store: JobStore, batch_id: str) -> int:
+        try:
+            batch = store.get_batch(batch_id)
+        except redis.RedisError:
+            return -1
+        return sum(batch["counts"][s] for s in ("succeeded", "failed", "canceled")) if batch else 0
 
     def _kill_one(self, store: JobStore, posted: float) -> tuple[Kill, float, dict[str, str]] | None:
         client = store.redis
@@ -285,7 +298,11 @@ class Soak:
                 successes[job_id] = successes.get(job_id, 0) + 1
         extra_wavs = len(wav_keys) - len(set(wav_keys) & expected)
         report.duplicated = sum(1 for n in successes.values() if n > 1) + extra_wavs
-        manifest = storage.get_bytes(storage.bucket, manifest_key(settings.s3_prefix, batch_id)).decode()
+        report.stuck_ids = [r.id for r in records if r.status in (JobStatus.QUEUED, JobStatus.RUNNING)][:20]
+        batch = store.get_batch(batch_id) or {}
+        if not batch.get("manifest_key"):
+            return
+        manifest = storage.get_bytes(storage.bucket, batch["manifest_key"]).decode()
         entries = [json.loads(line) for line in manifest.splitlines() if line.strip()]
         report.manifest_lines = len(entries)
         report.manifest_complete = (
@@ -335,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                   "visibility_timeout_s": 3600},
         "config": asdict(config), "summary": report.summary(),
         "kills": [asdict(kill) for kill in report.kills], "redis_outages": report.redis_outages,
-        "errors": report.errors,
+        "errors": report.errors, "stuck_ids": report.stuck_ids,
     }  # fmt: skip
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"  written to {out.relative_to(REPO)}")

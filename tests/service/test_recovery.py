@@ -12,7 +12,6 @@ import re
 import signal
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
