@@ -64,6 +64,7 @@ class SoakConfig:
     steps: int = 8  # per job: a group of 8 renders for steps x step delay
     timeout_s: float = 600.0  # the batch must be done by then
     stall_s: float = 60.0  # after the last fault, give up when no job has ended for this long (stuck jobs)
+    max_kills: int = 10  # AUK_MAX_KILLS: kills land on random busy workers here, not on jobs that cause them
     seed: int = 0
 
 
@@ -130,8 +131,8 @@ class Soak:
         self.s3.start()
         self.env = connection_env(
             self.redis_server, self.s3, S3_BUCKET="auk-soak", S3_PREFIX="soak", VARIANT="base", PIPELINE="instant",
-            DEPLOY_CONFIG=str(REPO / "config" / "auk-bulk.yaml"), VISIBILITY_TIMEOUT="3600",
-            INSTANT_STEP_DELAY=str(self.config.step_delay_s), RETRY_BACKOFF="0.5", MAX_KILLS="5",
+            DEPLOY_CONFIG=str(REPO / "config" / "auk-bulk.yaml"), VISIBILITY_TIMEOUT="3600", RETRY_BACKOFF="0.5",
+            INSTANT_STEP_DELAY=str(self.config.step_delay_s), MAX_KILLS=str(self.config.max_kills),
         )  # fmt: skip
         Storage(Settings.from_env(self.env)).ensure_buckets()
         for index in range(self.config.workers):

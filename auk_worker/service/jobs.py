@@ -10,7 +10,8 @@ A running record names its holder, ``"<worker id>/<instance id>"`` (``worker``),
 instance id and a state other than ``failed``; it still holds the job while that heartbeat lists the job id, or was
 written before ``held_at``. Transitions given a holder apply only while that holder holds the running record
 (fencing: a worker that lost its job cannot finish it); ``start`` refuses a job a live holder holds (a duplicate
-delivery) and counts a kill when it takes one from a dead holder. ``recovery.py`` finds and re-sends the rest.
+delivery) and counts a kill when it takes one from a dead holder. ``recovery.py`` finds and re-sends the rest
+(its scripts build on ``LUA_HELPERS`` here).
 
 Keys (namespace ``auk``):
 
@@ -168,18 +169,6 @@ class Transition:
         return self.record is not None
 
 
-@dataclass(frozen=True)
-class Orphan:
-    """A running job no live attempt holds: its holder died (``dead``) or let go of it; or (``started`` False) a
-    queued job whose message a worker received and that worker died before starting it."""
-
-    job_id: str
-    queue: str | None
-    holder: str
-    dead: bool
-    started: bool = True
-
-
 def _flat_to_dict(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2]))
 
@@ -191,7 +180,7 @@ def _score(record: JobRecord) -> int:
 
 # Shared Lua: move a job's batch counters from one status to another; claim the manifest when the batch's
 # terminal count reaches its total. Returns 1 when this call claimed it.
-_LUA_HELPERS = """
+LUA_HELPERS = """
 local function is_terminal(s)
   return s == 'succeeded' or s == 'failed' or s == 'canceled'
 end
@@ -201,7 +190,8 @@ end
 local function holder_state(ns, holder, job_id, held_at)
   local cut = string.find(holder or '', '/[^/]*$')
   if not cut then return 'dead' end
-  local beat = redis.call('HMGET', ns .. ':worker:' .. string.sub(holder, 1, cut - 1), 'instance', 'state', 'job_id', 'ts')
+  local beat_key = ns .. ':worker:' .. string.sub(holder, 1, cut - 1)
+  local beat = redis.call('HMGET', beat_key, 'instance', 'state', 'job_id', 'ts')
   if beat[1] ~= string.sub(holder, cut + 1) or beat[2] == 'failed' then return 'dead' end
   if (tonumber(beat[4]) or 0) <= (tonumber(held_at) or 0) then return 'holds' end
   if string.find(',' .. (beat[3] or '') .. ',', ',' .. job_id .. ',', 1, true) then return 'holds' end
@@ -244,7 +234,7 @@ return {1, redis.call('HGETALL', KEYS[1])}
 # KEYS: job. ARGV: namespace, now, holder, held_at, job id. Returns {} if missing, {'terminal'} if terminal,
 # {'held'} if a live holder holds it, else the record.
 _START = (
-    _LUA_HELPERS
+    LUA_HELPERS
     + """
 local job = KEYS[1]
 local status = redis.call('HGET', job, 'status')
@@ -274,7 +264,7 @@ return redis.call('HGETALL', job)
 # field/value pairs. Returns {0} when the transition does not apply (with a holder: unless that holder holds the
 # running record), else {claimed, record}.
 _TRANSITION = (
-    _LUA_HELPERS
+    LUA_HELPERS
     + """
 local job = KEYS[1]
 local status = redis.call('HGET', job, 'status')
@@ -306,81 +296,6 @@ end
 return status
 """
 
-# KEYS: the running set. ARGV: namespace. Returns {job id, queue, holder, state} for every running record whose
-# holder is dead or let go of it; drops finished records left in the set.
-_ORPHANS = (
-    _LUA_HELPERS
-    + """
-local prefix = ARGV[1] .. ':job:'
-local out = {}
-for _, job in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local rec = redis.call('HMGET', job, 'status', 'worker', 'held_at', 'queue')
-  if rec[1] ~= 'running' then
-    redis.call('SREM', KEYS[1], job)
-  else
-    local id = string.sub(job, #prefix + 1)
-    local state = holder_state(ARGV[1], rec[2], id, rec[3])
-    if state ~= 'holds' then
-      out[#out + 1] = {id, rec[4] or '', rec[2] or '', state}
-    end
-  end
-end
--- Received but never started: only a dead receiver makes an orphan (a live one may hold it for a retry's ETA).
-local delivered = ARGV[1] .. ':delivered'
-for _, job in ipairs(redis.call('SMEMBERS', delivered)) do
-  local rec = redis.call('HMGET', job, 'status', 'delivered', 'queue')
-  if rec[1] ~= 'queued' or (not rec[2]) or rec[2] == '' then
-    redis.call('SREM', delivered, job)
-  else
-    local id = string.sub(job, #prefix + 1)
-    if holder_state(ARGV[1], rec[2], id, nil) == 'dead' then
-      out[#out + 1] = {id, rec[3] or '', rec[2], 'unstarted'}
-    end
-  end
-end
-return out
-"""
-)
-
-# KEYS: job keys. ARGV: namespace, holder. Marks each queued one as received by that holder.
-_DELIVER = """
-for _, job in ipairs(KEYS) do
-  if redis.call('HGET', job, 'status') == 'queued' then
-    redis.call('HSET', job, 'delivered', ARGV[2])
-    redis.call('SADD', ARGV[1] .. ':delivered', job)
-  end
-end
-return 1
-"""
-
-# KEYS: job. ARGV: namespace, holder. Forgets a delivery to that (dead) holder of a still queued record; 1 if it did.
-_UNDELIVER = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'queued' or redis.call('HGET', KEYS[1], 'delivered') ~= ARGV[2] then
-  return 0
-end
-redis.call('HDEL', KEYS[1], 'delivered')
-redis.call('SREM', ARGV[1] .. ':delivered', KEYS[1])
-return 1
-"""
-
-# KEYS: job. ARGV: namespace, holder, job id. running -> queued when that holder still has it and no longer holds
-# it (kills + 1 when it is dead). Returns {} when nothing changed, else {kills}.
-_RELEASE = (
-    _LUA_HELPERS
-    + """
-local job = KEYS[1]
-local status = redis.call('HGET', job, 'status')
-if status ~= 'running' or redis.call('HGET', job, 'worker') ~= ARGV[2] then return {} end
-local state = holder_state(ARGV[1], ARGV[2], ARGV[3], redis.call('HGET', job, 'held_at'))
-if state == 'holds' then return {} end
-if state == 'dead' then redis.call('HINCRBY', job, 'kills', 1) end
-redis.call('HSET', job, 'status', 'queued', 'worker', '', 'progress', '')
-redis.call('SREM', ARGV[1] .. ':running', job)
-move_batch(job, ARGV[1], 'running', 'queued', false)
-return {tonumber(redis.call('HGET', job, 'kills'))}
-"""
-)
-
 class JobStore:
     """Job and batch records in Redis. The client must use ``decode_responses=True``."""
 
@@ -391,10 +306,6 @@ class JobStore:
         self._start = redis_client.register_script(_START)
         self._transition = redis_client.register_script(_TRANSITION)
         self._progress = redis_client.register_script(_PROGRESS)
-        self._orphans = redis_client.register_script(_ORPHANS)
-        self._release = redis_client.register_script(_RELEASE)
-        self._deliver = redis_client.register_script(_DELIVER)
-        self._undeliver = redis_client.register_script(_UNDELIVER)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "auk") -> JobStore:
@@ -551,28 +462,6 @@ class JobStore:
         """running -> queued: the attempt let go of the job and a retry is on its way (not a kill)."""
         fields = {"worker": "", "progress": ""}
         return self._apply(job_id, JobStatus.QUEUED, (JobStatus.RUNNING,), False, fields, holder)
-
-    # -- recovery (recovery.py) ---------------------------------------------------------------------------------
-    def orphans(self) -> builtins.list[Orphan]:
-        """Running records whose holder is dead or has let go of them, and queued ones a dead worker received."""
-        rows = self._orphans(keys=[f"{self.ns}:running"], args=[self.ns])
-        return [Orphan(job_id, queue or None, holder, state != "let go", started=state != "unstarted")
-                for job_id, queue, holder, state in rows]  # fmt: skip
-
-    def mark_delivered(self, job_ids: builtins.list[str], holder: str) -> None:
-        """Note on each still queued record that ``holder`` received its message (before it starts the job)."""
-        if job_ids:
-            self._deliver(keys=[self.job_key(job_id) for job_id in job_ids], args=[self.ns, holder])
-
-    def forget_delivery(self, job_id: str, holder: str) -> bool:
-        """Drop a queued record's delivery to ``holder`` (dead before it started the job); True if it was there."""
-        return bool(self._undeliver(keys=[self.job_key(job_id)], args=[self.ns, holder]))
-
-    def release(self, job_id: str, holder: str) -> int | None:
-        """running -> queued for a job ``holder`` had and no longer holds (kills + 1 when it is dead); the job's
-        kills after it, or None when nothing changed (another attempt took it, or the holder still holds it)."""
-        reply = self._release(keys=[self.job_key(job_id)], args=[self.ns, holder, job_id])
-        return int(reply[0]) if reply else None
 
     def cancel(self, job_id: str, owner: str) -> JobRecord | None:
         """queued/running -> canceled for the job's owner; None for another owner, a missing or terminal job.

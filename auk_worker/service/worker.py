@@ -40,7 +40,7 @@ from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
-from auk_worker.service.recovery import Reaper
+from auk_worker.service.recovery import Reaper, RecoveryStore
 from auk_worker.service.settings import VARIANTS, Settings, worker_id_or_none
 from auk_worker.service.storage import Storage
 from auk_worker.service.tasks import Pipeline, RenderRuntime, register
@@ -117,7 +117,7 @@ def _reaper(settings: Settings, store: JobStore) -> Reaper:
     return Reaper(store, send)
 
 
-def _note_delivery(store: JobStore, holder: str):
+def _note_delivery(records: RecoveryStore, holder: str):
     """A ``task_received`` handler: the jobs of a message this worker received, before it starts them, are marked
     as delivered to it, so that the reaper can send them again if it dies first (``recovery.py``)."""
 
@@ -127,7 +127,7 @@ def _note_delivery(store: JobStore, holder: str):
         first = request.args[0]
         job_ids = [str(job_id) for job_id in first] if isinstance(first, list) else [str(first)]
         try:
-            store.mark_delivered(job_ids, holder)
+            records.mark_delivered(job_ids, holder)
         except redis.RedisError as exc:  # the start that follows will find Redis down too, and retry
             log.warning("worker %s: delivery of %s not noted: %s", holder, ",".join(job_ids), exc)
 
@@ -202,7 +202,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
 
     signals.worker_ready.connect(on_ready, weak=False)
-    signals.task_received.connect(_note_delivery(store, heartbeat.holder), weak=False)
+    signals.task_received.connect(_note_delivery(RecoveryStore(store), heartbeat.holder), weak=False)
     worker = app.Worker(
         hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),
