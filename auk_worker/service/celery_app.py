@@ -8,7 +8,8 @@ Reliability settings, each for a reason:
 - ``visibility_timeout`` (``AUK_VISIBILITY_TIMEOUT``): with the Redis broker, a job delivered but never
   acknowledged (its worker was SIGKILLed, the machine lost power) is redelivered after this many seconds. It must
   exceed the longest job, or a job still rendering is handed to a second worker as well. Every worker sweeps
-  for expired deliveries every ``restore_interval`` seconds.
+  for expired deliveries every ``restore_interval`` seconds. This is the last resort: a dead worker's jobs are
+  sent again within seconds by the reaper (``recovery.py``), and the late redelivery meets an ended record.
 - ``queue_order_strategy=priority``: a worker polls its queues in the order given, so ``interactive`` drains
   before ``bulk``.
 - No result backend: the job record in Redis is the result (one backend less to connect to, and ``send_task``
