@@ -1,9 +1,9 @@
 """``python -m auk_worker.service.probe``: a worker container's health probe, read from its heartbeat in Redis.
 
 A solo Celery worker renders in its main thread and cannot answer a ping while busy, so the probe asks Redis
-instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>`` (without ``AUK_WORKER_ID``: the one
-heartbeat whose ``host`` is this host name, which is a container's own worker) (``health.py`` rewrites it every
-2 s from a thread that keeps running through a long job) and exits 0 or 1, printing one line that says why. The
+instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>``, which ``health.py`` rewrites every
+2 s from a thread that keeps running through a long job, and exits 0 or 1, printing one line that says why. Without
+``AUK_WORKER_ID`` it reads the one heartbeat whose ``host`` is this host name (a container's own worker). The
 kubelet (an exec probe) or a compose healthcheck records that line. It imports redis and the settings module,
 never torch, so a probe costs a fraction of a second.
 
