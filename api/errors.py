@@ -131,7 +131,7 @@ def _invalid(described: Sequence[Mapping[str, str]]) -> JSONResponse:
 
 def error_response(exc: AuKError) -> JSONResponse:
     """The answer to one of the service's own errors: its mapped status, code, message and details."""
-    details = exc.details if isinstance(exc, InputError) else None
+    details = getattr(exc, "details", None)
     return JSONResponse(_body(exc.code, exc.message, details), status_code=status_for_error(exc),
                         headers=headers_for_error(exc))  # fmt: skip
 

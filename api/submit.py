@@ -6,6 +6,20 @@ applied in latent frames to the clip's exact sample count and rate (``rules.targ
 call). Then the record is written, and only then is the task sent by name: ``auk.render`` to
 ``auk.{variant}.{priority}``, or for a batch ``auk.render_group`` tasks of compatible jobs
 (``auk_worker/service/grouping.py``) on the variant's bulk queue.
+
+Before any of that, ``require_worker_for`` asks the workers' heartbeats whether some live worker serves the job's
+variant, so that a job no worker would ever take is refused at once (503 ``no_worker_for_variant``, naming the
+variants that are served) rather than queued forever. ``AUK_VARIANT_CHECK`` says when:
+
+- ``live`` (default): refuse when at least one worker is live and none serves (or is loading) the variant. With no
+  live worker at all the job is queued: an operator may start the API before the workers, and the first worker to
+  come up takes the queue.
+- ``strict``: refuse also when no worker is live.
+- ``off``: never refuse (workers are started on demand, say by an autoscaler reading the queue length).
+
+A worker is live while its heartbeat key exists (it expires 10 s after the last write) and does not say
+``failed``; one still loading counts (its heartbeat names its variant from ``AUK_VARIANT``, or ``?``, which counts
+for any variant).
 """
 
 from __future__ import annotations
@@ -18,9 +32,10 @@ from botocore.exceptions import BotoCoreError, ClientError
 from api.deps import Services
 from auk_worker import rules
 from auk_worker.audio import decode_audio
-from auk_worker.errors import InfraError, InputError
+from auk_worker.errors import InfraError, InputError, NoWorker
 from auk_worker.service.celery_app import RENDER_TASK, queue_name
 from auk_worker.service.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
+from auk_worker.service.health import live_variants, read_heartbeats
 from auk_worker.service.jobs import JobRecord
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.storage import error_code
@@ -110,6 +125,26 @@ def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
     return record_request(request, resolver.resolve(request))
 
 
+# ---------------------------------------------------------------------------------------------------- workers
+
+
+def require_worker_for(svc: Services, variants: set[str]) -> None:
+    """Refuse (``NoWorker``) when ``AUK_VARIANT_CHECK`` says a job of one of ``variants`` would wait forever."""
+    policy = svc.settings.variant_check
+    if policy == "off":
+        return
+    served, live = live_variants(read_heartbeats(svc.redis))
+    if "?" in served or (live == 0 and policy == "live"):
+        return
+    missing = sorted(variants - set(served))
+    if not missing:
+        return
+    serving = ", ".join(f"{v} ({len(ids)} worker{'s' if len(ids) > 1 else ''})" for v, ids in sorted(served.items()))
+    message = (f"no live worker serves variant {', '.join(missing)}; live workers serve: {serving or 'nothing'}; "
+               "send the job with a served variant, or start a worker for it")  # fmt: skip
+    raise NoWorker(message, details={"variant": missing, "live_variants": sorted(served)})
+
+
 # ---------------------------------------------------------------------------------------------------- one job
 
 
@@ -121,6 +156,7 @@ def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: 
         if existing is not None:
             return _same_request(existing, request, idempotency_key), False
     check_webhook_url(svc, request.webhook_url)
+    require_worker_for(svc, {request.variant})
     prepared = prepare(request, ClipResolver(svc, owner))
     queue = queue_name(request.variant, request.priority)
     record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
@@ -172,6 +208,7 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
     the batch and send its groups. Any bad line: InputError ``invalid_batch`` listing them, nothing written.
     ``webhook_url`` is called with the batch's record once its manifest is stored."""
     check_webhook_url(svc, webhook_url)
+    require_worker_for(svc, {request.variant for _, request in lines})
     resolver = ClipResolver(svc, owner)
     bad = list(bad)
     good: list[tuple[JobRequest, dict[str, Any]]] = []

@@ -113,6 +113,16 @@ class InfraError(AuKError):
     code = "infrastructure"
 
 
+class NoWorker(InfraError):
+    """No live worker serves what a job needs (its variant); ``details`` names what the live workers serve."""
+
+    code = "no_worker_for_variant"
+
+    def __init__(self, message: str, *, code: str | None = None, details: Any = None) -> None:
+        super().__init__(message, code=code)
+        self.details = details
+
+
 class Canceled(AuKError):
     """The job was canceled while it ran."""
 

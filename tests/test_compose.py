@@ -57,6 +57,11 @@ def test_compose_structure() -> None:
         assert "healthcheck" in services[name], name
     worker = services["worker-gpu0"]
     assert worker["command"][:2] == ["auk", "worker"]
+    # Identity from the environment (default "<container host name>-gpu<index>"), never a fixed name that two hosts
+    # or two restarts would share; the health check reads the worker's own heartbeat.
+    assert "--hostname" not in worker["command"] and "--worker-id" not in worker["command"] and "hostname" not in worker
+    assert worker["environment"]["AUK_WORKER_ID"] == "${AUK_WORKER_ID_GPU0:-}"
+    assert worker["healthcheck"]["test"] == ["CMD", "python", "-m", "auk_worker.service.probe"]
     assert worker["depends_on"] == {"redis": {"condition": "service_healthy"},
                                     "seaweedfs": {"condition": "service_healthy"}}  # fmt: skip
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]

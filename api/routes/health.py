@@ -10,14 +10,11 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from api.deps import Services, services
-from auk_worker.service.health import read_heartbeats
+from auk_worker.service.health import SERVING_STATES, public_view, read_heartbeats
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["health"])
-
-SERVING_STATES = ("ready", "busy")  # a worker with its pipeline loaded: idle, or rendering and taking the next job
-
 
 @router.get("/healthz")
 def healthz() -> dict:
@@ -27,12 +24,13 @@ def healthz() -> dict:
 
 @router.get("/readyz")
 def readyz(svc: Services = Depends(services)) -> JSONResponse:
-    """Redis and storage answer; which workers hold a fresh heartbeat and in what state."""
+    """Redis and storage answer; which workers hold a fresh heartbeat: id, state, variant, heartbeat age."""
     return readiness(svc)
 
 
 def readiness(svc: Services) -> JSONResponse:
-    """200 when Redis and storage answer (503 otherwise), with ``workers_ready`` and every worker's heartbeat."""
+    """200 when Redis and storage answer (503 otherwise), with ``workers_ready`` and every worker's id, state,
+    variant and heartbeat age (never a job id: this is unauthenticated)."""
     checks: dict[str, Any] = {}
     try:
         checks["redis"] = svc.store.ping()
@@ -48,5 +46,6 @@ def readiness(svc: Services) -> JSONResponse:
             log.warning("readyz: heartbeats: %s", exc)
     ready = sum(1 for worker in workers if worker.get("state") in SERVING_STATES)
     ok = checks["redis"] and checks["storage"]
-    body = {"status": "ready" if ok else "unavailable", **checks, "workers_ready": ready, "workers": workers}
+    body = {"status": "ready" if ok else "unavailable", **checks, "workers_ready": ready,
+            "workers": [public_view(worker) for worker in workers]}  # fmt: skip
     return JSONResponse(body, status_code=200 if ok else 503)

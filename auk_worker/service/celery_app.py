@@ -8,11 +8,16 @@ Reliability settings, each for a reason:
 - ``visibility_timeout`` (``AUK_VISIBILITY_TIMEOUT``): with the Redis broker, a job delivered but never
   acknowledged (its worker was SIGKILLed, the machine lost power) is redelivered after this many seconds. It must
   exceed the longest job, or a job still rendering is handed to a second worker as well. Every worker sweeps
-  for expired deliveries every ``restore_interval`` seconds.
+  for expired deliveries every ``restore_interval`` seconds. This is the last resort: a dead worker's jobs are
+  sent again within seconds by the reaper (``recovery.py``), and the late redelivery meets an ended record.
 - ``queue_order_strategy=priority``: a worker polls its queues in the order given, so ``interactive`` drains
   before ``bulk``.
 - No result backend: the job record in Redis is the result (one backend less to connect to, and ``send_task``
   builds no result to track).
+- ``amqp=BrokerAMQP`` (``broker.py``): every broker connection frees its prefetch slot when an acknowledgement
+  cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again soon after Redis returns.
+- A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
+  there the jobs whose worker died, so they run again next rather than behind the whole queue.
 
 Building the app connects to nothing.
 """
@@ -21,10 +26,12 @@ from __future__ import annotations
 
 from celery import Celery
 
+from auk_worker.service.broker import BrokerAMQP
 from auk_worker.service.settings import Settings
 
 RENDER_TASK = "auk.render"
 PRIORITIES = ("interactive", "bulk")  # polling order
+RECOVERY = "recovery"  # the jobs the reaper sends again; polled first
 
 
 def queue_name(variant: str, priority: str) -> str:
@@ -33,7 +40,7 @@ def queue_name(variant: str, priority: str) -> str:
 
 def worker_queues(variant: str) -> list[str]:
     """The queues a worker of ``variant`` consumes, highest priority first."""
-    return [queue_name(variant, priority) for priority in PRIORITIES]
+    return [queue_name(variant, priority) for priority in (RECOVERY, *PRIORITIES)]
 
 
 def restore_interval(visibility_timeout: int) -> int:
@@ -41,7 +48,7 @@ def restore_interval(visibility_timeout: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("auk", broker=settings.redis_url, set_as_current=False)
+    app = Celery("auk", broker=settings.redis_url, amqp=BrokerAMQP, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,

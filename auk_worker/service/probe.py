@@ -1,8 +1,9 @@
 """``python -m auk_worker.service.probe``: a worker container's health probe, read from its heartbeat in Redis.
 
 A solo Celery worker renders in its main thread and cannot answer a ping while busy, so the probe asks Redis
-instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>`` (``health.py`` rewrites it every
-2 s from a thread that keeps running through a long job) and exits 0 or 1, printing one line that says why. The
+instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>``, which ``health.py`` rewrites every
+2 s from a thread that keeps running through a long job, and exits 0 or 1, printing one line that says why. Without
+``AUK_WORKER_ID`` it reads the one heartbeat whose ``host`` is this host name (a container's own worker). The
 kubelet (an exec probe) or a compose healthcheck records that line. It imports redis and the settings module,
 never torch, so a probe costs a fraction of a second.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -28,10 +30,9 @@ from dataclasses import dataclass
 import redis
 
 from auk_worker.errors import ConfigError
-from auk_worker.service.health import heartbeat_key
+from auk_worker.service.health import SERVING_STATES, heartbeat_key, read_heartbeats
 from auk_worker.service.settings import Settings
 
-SERVING_STATES = ("ready", "busy")
 DEFAULT_MAX_AGE_S = 15.0
 REDIS_TIMEOUT_S = 3.0  # well inside a probe's timeoutSeconds
 
@@ -61,10 +62,23 @@ def judge(beat: Mapping[str, str], now: float, max_age_s: float, live: bool) -> 
     return Verdict(False, f"not serving yet: state {state!r}, heartbeat {age:.1f} s old")
 
 
-def probe(worker_id: str, redis_url: str, max_age_s: float, live: bool) -> Verdict:
+def own_worker_id(client: redis.Redis, host: str) -> str | None:
+    """The one worker whose heartbeat names ``host`` as its host (a container's own worker when ``AUK_WORKER_ID``
+    is left to its default); None when there is none, or several (say one host running a worker per GPU)."""
+    ids = [beat["id"] for beat in read_heartbeats(client) if beat.get("host") == host]
+    return ids[0] if len(ids) == 1 else None
+
+
+def probe(worker_id: str | None, redis_url: str, max_age_s: float, live: bool) -> Verdict:
+    """The verdict on ``worker_id``'s heartbeat; without an id, on the one worker of this host (``own_worker_id``)."""
     client = redis.Redis.from_url(redis_url, decode_responses=True, socket_connect_timeout=REDIS_TIMEOUT_S,
                                   socket_timeout=REDIS_TIMEOUT_S)  # fmt: skip
     try:
+        if worker_id is None:
+            worker_id = own_worker_id(client, socket.gethostname())
+            if worker_id is None:
+                return Verdict(False, f"no single worker heartbeat names host {socket.gethostname()!r}: set "
+                                      "AUK_WORKER_ID or --worker-id")  # fmt: skip
         beat = client.hgetall(heartbeat_key(worker_id))
     except redis.RedisError as exc:
         if live:
@@ -81,16 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--live", action="store_true", help="liveness: any state but failed, heartbeat fresh")
     parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help=f"oldest acceptable heartbeat in seconds (default {DEFAULT_MAX_AGE_S:g})")  # fmt: skip
-    parser.add_argument("--worker-id", help="the worker whose heartbeat is read (default: AUK_WORKER_ID)")
+    parser.add_argument("--worker-id", help="the worker whose heartbeat is read (default: AUK_WORKER_ID, else the "
+                        "one worker whose heartbeat names this host)")  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    worker_id = args.worker_id or os.environ.get("AUK_WORKER_ID", "").strip()
-    if not worker_id:
-        print("AUK_WORKER_ID is not set: the probe cannot tell which heartbeat is this worker's")
-        return 1
+    worker_id = args.worker_id or os.environ.get("AUK_WORKER_ID", "").strip() or None
     try:
         redis_url = Settings.from_env().redis_url
     except ConfigError as exc:

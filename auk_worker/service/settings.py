@@ -9,6 +9,7 @@ a worker does not need API keys and the API does not need a checkpoint.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ VARIANTS = ("base", "flash")
 # AUK_PIPELINE: ``auk`` loads AUK_CHECKPOINT; ``instant`` is the model-free fake of the queue-overhead benchmark and
 # the fault tests; ``random-release`` (benchmark only: bench/throughput.py) builds release-size random weights.
 PIPELINES = ("auk", "instant", "random-release")
+# AUK_VARIANT_CHECK: when the API refuses a job whose variant no live worker serves (api/submit.py).
+VARIANT_CHECKS = ("live", "strict", "off")
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -86,6 +89,20 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
     return raw
 
 
+# A worker id names its heartbeat key and is the part of a job's holder before the "/" (jobs.py splits there).
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+
+
+def worker_id_or_none(raw: str | None, name: str = "AUK_WORKER_ID") -> str | None:
+    """A worker id as given (None when unset), refused when it could not name a heartbeat or a job's holder."""
+    if raw is None:
+        return None
+    if not _WORKER_ID.fullmatch(raw):
+        raise ConfigError(f"{name} must be 1-128 letters, digits and . _ : @ - (starting with a letter or digit), "
+                          f"got {raw!r}")  # fmt: skip
+    return raw
+
+
 def _prefix(raw: str | None) -> str:
     """Normalise a key prefix: no leading slash, one trailing slash when non-empty."""
     if not raw:
@@ -129,6 +146,9 @@ class Settings:
     # replica verifies every link) and how long a link lives unless the caller asks for less or more (at most 7 d).
     link_secret: str | None = field(default=None, repr=False)  # AUK_LINK_SECRET
     link_seconds: int = 3600  # AUK_LINK_SECONDS
+    worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
+    stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
+    variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -171,6 +191,9 @@ class Settings:
             webhook_max_attempts=_int(env, "AUK_WEBHOOK_MAX_ATTEMPTS", 15, minimum=1),
             link_secret=_get(env, "AUK_LINK_SECRET"),
             link_seconds=_int(env, "AUK_LINK_SECONDS", 3600, minimum=1),
+            worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
+            stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
+            variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
         )
 
     def require_storage(self) -> None:

@@ -17,8 +17,11 @@ job that crashes the model cannot take its neighbours' attempts with it.
   with the cause.
 - CUDA out of memory: failed with ``out_of_memory``, the cache emptied, the worker goes on.
 - ``Canceled`` (raised from the step callback once the record says canceled): nothing uploaded.
-- A record found ``running`` under another holder means that holder died with it (``kills`` + 1, in ``start``);
-  at ``AUK_MAX_KILLS`` the job fails with ``worker_crashed`` instead of taking a further worker down.
+- A record found ``running`` under a dead holder means that holder died with it (``kills`` + 1, in ``start`` or
+  in the reaper's release); at ``AUK_MAX_KILLS`` the job fails with ``worker_crashed`` instead of taking a further
+  worker down. A record a live holder holds is not started again (a duplicate delivery, dropped).
+- Every write of an attempt names its holder (``RenderRuntime.holder``), so an attempt whose job was taken from it
+  (``recovery.py``) stops at its next step and records nothing.
 
 No torch import here: the real pipeline brings it, and the out-of-memory check looks it up only if loaded.
 """
@@ -78,7 +81,7 @@ class RenderRuntime:
     store: JobStore
     storage: Storage
     heartbeat: Heartbeat | None = None
-    holder: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")  # "host:pid" on the record
+    holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
 
 
@@ -136,8 +139,9 @@ class _Progress:
     """The step callback: progress (and the cancel check riding on it) written to each job's record at most every
     ``PROGRESS_INTERVAL_S``, plus the last step.
 
-    One job (``on_cancel`` None): a cancel raises ``Canceled`` and the render stops. Several jobs: a canceled job
-    is reported to ``on_cancel`` and no longer written; the render stops only once every job is canceled.
+    One job (``on_cancel`` None): a cancel (or the job taken from this attempt) raises ``Canceled`` and the render
+    stops. Several jobs: such a job is reported to ``on_cancel`` and no longer written; the render stops only once
+    every job is.
     """
 
     def __init__(self, rt: RenderRuntime, job_ids: list[str], on_cancel: Any = None) -> None:
@@ -152,11 +156,13 @@ class _Progress:
             return
         self.last_write = now
         for job_id in list(self.live):
-            if self.rt.store.set_progress(job_id, step, total) != JobStatus.CANCELED:
+            status = self.rt.store.set_progress(job_id, step, total, self.rt.holder)
+            if status == JobStatus.RUNNING:
                 continue
+            why = "was canceled" if status == JobStatus.CANCELED else "is no longer held by this worker"
             if self.on_cancel is None:
-                raise Canceled(f"job {job_id} was canceled at step {step} of {total}")
-            log.info("job %s: canceled at step %d of %d; its group goes on", job_id, step, total)
+                raise Canceled(f"job {job_id} {why} at step {step} of {total}")
+            log.info("job %s: %s at step %d of %d; its group goes on", job_id, why, step, total)
             self.live.remove(job_id)
             self.on_cancel(job_id)
         if not self.live:
@@ -168,12 +174,17 @@ def _store_result(rt: RenderRuntime, job_id: str, request: JobRequest, result: R
     key = result_key(rt.settings.s3_prefix, job_id)
     rt.storage.put_wav(key, write_wav(result.waveform, result.sample_rate, request.output_format),
                        _metadata(job_id, request, result, rt.pipeline.variant))  # fmt: skip
-    outcome = rt.store.finish(job_id, _result(rt, key, request, result))
-    if outcome.record is None:  # canceled while uploading: the object goes, the record stays canceled
-        log.info("job %s: canceled during upload; removing %s", job_id, key)
-        rt.storage.delete(key)
-        _after_terminal(rt, job_id, None)
-        return rt.store.get(job_id)
+    outcome = rt.store.finish(job_id, _result(rt, key, request, result), rt.holder)
+    if outcome.record is None:
+        current = rt.store.get(job_id)
+        if current is not None and current.status == JobStatus.CANCELED:  # the object goes, the record stays
+            log.info("job %s: canceled during upload; removing %s", job_id, key)
+            rt.storage.delete(key)
+        else:  # taken from this attempt: the key is the job's one WAV, which its current attempt writes too
+            log.warning("job %s: no longer held by this worker (%s); its result is not recorded", job_id,
+                        current.status.value if current else "no record")  # fmt: skip
+        _after_terminal(rt, job_id, current)
+        return current
     log.info("job %s: succeeded, %.2f s uploaded to %s", job_id, result.duration_s, key)
     if outcome.batch_done and outcome.record.batch_id:
         write_manifest(rt, outcome.record.batch_id)
@@ -245,7 +256,7 @@ def _render_members(rt: RenderRuntime, members: list[_Member], phases: dict[str,
         job_id = member.job_id
         try:
             if job_id in canceled or rt.store.is_canceled(job_id):
-                log.info("job %s: canceled during its group's render; result dropped", job_id)
+                log.info("job %s: canceled (or taken over) during its group's render; result dropped", job_id)
                 _after_terminal(rt, job_id, None)
                 return None
             if isinstance(result, Exception):
@@ -315,17 +326,20 @@ def _result(rt: RenderRuntime, key: str, request: JobRequest, result: RenderResu
 
 
 def _skip(rt: RenderRuntime, job_id: str) -> None:
-    """A delivery of a terminal (or unknown) job: acknowledge it without rendering."""
+    """A delivery of a terminal (or unknown) job, or of one a live worker holds: acknowledge it without rendering."""
     record = rt.store.get(job_id)
     if record is None:
         log.warning("job %s: no record; message dropped", job_id)
+        return
+    if record.status == JobStatus.RUNNING:
+        log.info("job %s: held by %s, which is alive; this delivery is dropped", job_id, record.worker)
         return
     log.info("job %s: already %s; not rendered again", job_id, record.status.value)
     _after_terminal(rt, job_id, record)
 
 
 def _fail(rt: RenderRuntime, job_id: str, code: str, message: str) -> JobRecord | None:
-    outcome = rt.store.fail(job_id, code, message)
+    outcome = rt.store.fail(job_id, code, message, rt.holder)
     log.warning("job %s: failed (%s): %s", job_id, code, message)
     if outcome.batch_done and outcome.record and outcome.record.batch_id:
         write_manifest(rt, outcome.record.batch_id)
@@ -465,7 +479,7 @@ def _retry_or_fail(task: Task, rt: RenderRuntime, stopped: dict[str, Exception],
             if give_up:
                 _fail(rt, job_id, "infrastructure", f"gave up after {retries + 1} attempts: {message}")
             else:
-                rt.store.requeue(job_id)
+                rt.store.requeue(job_id, rt.holder)
         except (InfraError, redis.RedisError) as again:
             # Redis itself is down: the record cannot be touched; the redelivered message will find it running
             # under this holder, which counts no kill.

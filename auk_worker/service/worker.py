@@ -5,8 +5,19 @@ process (the solo pool renders in the main process, so nothing forks after CUDA 
 does the consumer start; the heartbeat says ``ready`` once Celery is consuming. A pipeline that fails to load
 leaves the heartbeat at ``failed`` with the error, and the process exits with status 1.
 
-The worker consumes only its variant's queues, interactive before bulk. SIGTERM is Celery's warm shutdown: the
-running job finishes and is acknowledged, then the process exits.
+The worker consumes only its variant's queues, recovery before interactive before bulk. SIGTERM is Celery's warm
+shutdown: the running job finishes and is acknowledged, then the process exits.
+
+Identity: ``AUK_WORKER_ID`` (or ``--worker-id``, alias ``--hostname``) names the heartbeat; by default it is
+``"<host name>-gpu<first CUDA index of the deploy config>"``, or ``"<host name>-cpu"`` without CUDA (the instant
+pipeline never uses it), so two hosts, or two GPUs of one host, never share one. Every start also draws an
+instance id (8 hex digits); a job's record names its holder as ``"<worker id>/<instance id>"``, so a container
+that comes back under the same worker id after a crash is a new holder, and the job it died with counts a kill.
+
+Health: a consumer bootstep (``ConsumerWatch``) ticks the heartbeat from Celery's event loop every second with
+whether the consumer can take a message, so the heartbeat says ``stalled`` (not ready) when the consumer is not
+consuming; a worker stalled for ``AUK_STALL_TIMEOUT`` seconds while Redis answers exits with status 3. The
+heartbeat thread also runs the reaper (``recovery.py``).
 """
 
 from __future__ import annotations
@@ -15,22 +26,112 @@ import argparse
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import sys
 from pathlib import Path
 
 import redis
-from celery import signals
+from celery import Celery, bootsteps, signals
 
 from auk_worker.errors import AuKError, ConfigError, InfraError
-from auk_worker.service.celery_app import make_celery, worker_queues
+from auk_worker.service.celery_app import RENDER_TASK, make_celery, worker_queues
+from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
+from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
-from auk_worker.service.settings import VARIANTS, Settings
+from auk_worker.service.recovery import Reaper, RecoveryStore
+from auk_worker.service.settings import VARIANTS, Settings, worker_id_or_none
 from auk_worker.service.storage import Storage
 from auk_worker.service.tasks import Pipeline, RenderRuntime, register
 
 log = logging.getLogger(__name__)
+
+EXIT_STUCK = 3  # the consumer stopped consuming and did not come back while Redis answered
+TICK_S = 1.0  # how often the consumer's event loop reports to the heartbeat
+
+
+def default_worker_id(settings: Settings, deploy=None) -> str:
+    """``"<host name>-gpu<first CUDA index of the deploy config>"``, or ``"<host name>-cpu"`` without CUDA."""
+    host = socket.gethostname()
+    if settings.pipeline == "instant":
+        return f"{host}-cpu"
+    import torch  # the real pipeline is about to load it anyway
+
+    if not torch.cuda.is_available():
+        return f"{host}-cpu"
+    from auk_worker.deploy import load_deploy_config
+
+    deploy = deploy or load_deploy_config(settings.deploy_config)
+    return f"{host}-gpu{int(deploy.encoder.devices.split(',')[0])}"
+
+
+def consumer_watch(heartbeat: Heartbeat) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep that tells ``heartbeat`` every ``TICK_S`` from the event loop whether the consumer can
+    take a message (its channel has prefetch room, so it has asked Redis for one or is about to). The loop does
+    not tick while it reconnects or while a job renders (the solo pool renders inside it); the heartbeat allows
+    for the latter."""
+
+    class ConsumerWatch(bootsteps.StartStopStep):
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def __init__(self, parent, **kwargs) -> None:
+            super().__init__(parent, **kwargs)
+            self.tref = None
+
+        def start(self, c) -> None:
+            self.tref = c.timer.call_repeatedly(TICK_S, self.tick, (c,))
+
+        def stop(self, c) -> None:
+            if self.tref is not None:
+                self.tref.cancel()
+                self.tref = None
+
+        shutdown = stop
+
+        @staticmethod
+        def tick(c) -> None:
+            consumer = c.task_consumer
+            heartbeat.consumer_tick(consumer is not None and consumer.channel.qos.can_consume())
+
+    return ConsumerWatch
+
+
+def _exit_stuck(heartbeat: Heartbeat, reason: str) -> None:
+    """Say why in the heartbeat and leave at once (from the heartbeat thread: the main thread is the stuck one);
+    an idle worker holds no job, and its broker delivery, if any, comes back after the visibility timeout."""
+    log.critical("worker %s: %s; exiting so that a supervisor starts it again", heartbeat.worker_id, reason)
+    heartbeat.set("failed", error=reason)
+    heartbeat.stop(remove=False)
+    logging.shutdown()
+    os._exit(EXIT_STUCK)
+
+
+def _reaper(settings: Settings, store: JobStore) -> Reaper:
+    """The reaper, sending through its own Celery app (it runs in the heartbeat thread)."""
+    sender: Celery = make_celery(settings)
+
+    def send(job_id: str, queue: str) -> None:
+        sender.send_task(RENDER_TASK, args=[job_id], queue=queue)
+
+    return Reaper(store, send)
+
+
+def _note_delivery(records: RecoveryStore, holder: str):
+    """A ``task_received`` handler: the jobs of a message this worker received, before it starts them, are marked
+    as delivered to it, so that the reaper can send them again if it dies first (``recovery.py``)."""
+
+    def on_received(request=None, **_: object) -> None:
+        if request is None or request.name not in (RENDER_TASK, RENDER_GROUP_TASK) or not request.args:
+            return
+        first = request.args[0]
+        job_ids = [str(job_id) for job_id in first] if isinstance(first, list) else [str(first)]
+        try:
+            records.mark_delivered(job_ids, holder)
+        except redis.RedisError as exc:  # the start that follows will find Redis down too, and retry
+            log.warning("worker %s: delivery of %s not noted: %s", holder, ",".join(job_ids), exc)
+
+    return on_received
 
 
 def load_pipeline(settings: Settings, deploy=None) -> Pipeline:
@@ -54,15 +155,21 @@ def load_pipeline(settings: Settings, deploy=None) -> Pipeline:
     return AuKPipeline.load(settings.checkpoint, deploy)
 
 
-def run_worker(settings: Settings, deploy=None, *, hostname: str | None = None, loglevel: str = "INFO") -> int:
+def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None, loglevel: str = "INFO") -> int:
     """Load the pipeline, then consume this variant's queues until stopped. Returns the exit status."""
     settings.require_storage()
     if settings.pipeline == "auk" and settings.checkpoint is None:
         raise ConfigError("AUK_CHECKPOINT (or --checkpoint) is required for a worker")
-    hostname = hostname or socket.gethostname()
+    worker_id = worker_id or settings.worker_id or default_worker_id(settings, deploy)
+    instance = secrets.token_hex(4)
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5,
                                   socket_timeout=30, health_check_interval=30)  # fmt: skip
-    heartbeat = Heartbeat(client, hostname, settings.variant or "?").start()
+    store = JobStore(client)
+    heartbeat = Heartbeat(client, worker_id, settings.variant or "?", instance=instance, watch_consumer=True,
+                          stall_timeout_s=settings.stall_timeout, on_beat=_reaper(settings, store).run)  # fmt: skip
+    heartbeat.on_stuck = lambda reason: _exit_stuck(heartbeat, reason)
+    heartbeat.start()
+    log.info("worker %s: instance %s starting (pid %d)", worker_id, instance, os.getpid())
     try:
         pipeline = load_pipeline(settings, deploy)
         if settings.variant is not None and pipeline.variant != settings.variant:
@@ -70,7 +177,7 @@ def run_worker(settings: Settings, deploy=None, *, hostname: str | None = None, 
                 f"AUK_VARIANT is {settings.variant} but the checkpoint is a {pipeline.variant} checkpoint"
             )
     except Exception as exc:  # noqa: BLE001 - the process boundary: report why, then exit non-zero
-        log.exception("worker %s: the pipeline failed to load", hostname)
+        log.exception("worker %s: the pipeline failed to load", worker_id)
         heartbeat.set("failed", error=f"{type(exc).__name__}: {exc}")
         heartbeat.stop(remove=False)
         return 1
@@ -82,21 +189,22 @@ def run_worker(settings: Settings, deploy=None, *, hostname: str | None = None, 
     try:
         storage.ensure_buckets()
     except InfraError as exc:  # jobs retry on their own; do not refuse to start over a storage blip
-        log.warning("worker %s: storage not reachable at start (%s); jobs will retry", hostname, exc)
+        log.warning("worker %s: storage not reachable at start (%s); jobs will retry", worker_id, exc)
 
     app = make_celery(settings)
-    store = notifying_store(client, storage, settings.presign_seconds)  # ended jobs enqueue their webhooks
-    runtime = RenderRuntime(settings, pipeline, store, storage, heartbeat,
-                            holder=f"{hostname}:{os.getpid()}")  # fmt: skip
+    app.steps["consumer"].add(consumer_watch(heartbeat))
+    notifying = notifying_store(client, storage, settings.presign_seconds)  # ended jobs enqueue their webhooks
+    runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, holder=heartbeat.holder)
     register(app, runtime)
 
     def on_ready(**_: object) -> None:
         heartbeat.set("ready")
-        log.info("worker %s: ready, consuming %s", hostname, ", ".join(worker_queues(variant)))
+        log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
 
     signals.worker_ready.connect(on_ready, weak=False)
+    signals.task_received.connect(_note_delivery(RecoveryStore(store), heartbeat.holder), weak=False)
     worker = app.Worker(
-        hostname=f"auk@{hostname}",
+        hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),
         pool_cls="solo",
         concurrency=1,
@@ -120,7 +228,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--variant", choices=VARIANTS, help="queues to consume; must match the checkpoint "
                         "(default: AUK_VARIANT, else the checkpoint's own)")  # fmt: skip
     parser.add_argument("--deploy-config", type=Path, help="deploy YAML (default: AUK_DEPLOY_CONFIG)")
-    parser.add_argument("--hostname", help="this worker's name in heartbeats (default: the host name)")
+    parser.add_argument("--worker-id", "--hostname", dest="worker_id",
+                        help="this worker's id, which names its heartbeat (default: AUK_WORKER_ID, else "
+                             "<host name>-gpu<first CUDA index of the deploy config>, or <host name>-cpu)")  # fmt: skip
     parser.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING, ... (default INFO)")
     parser.add_argument("--pool", default="solo", choices=["solo"],
                         help="solo: jobs run in this process, where the model is loaded (the only choice)")  # fmt: skip
@@ -142,8 +252,10 @@ def main_worker(argv: list[str] | None = None) -> int:
             overrides["variant"] = args.variant
         if args.deploy_config is not None:
             overrides["deploy_config"] = args.deploy_config
+        if args.worker_id is not None:
+            overrides["worker_id"] = worker_id_or_none(args.worker_id, "--worker-id")
         settings = dataclasses.replace(settings, **overrides)
-        return run_worker(settings, hostname=args.hostname, loglevel=args.loglevel.upper())
+        return run_worker(settings, loglevel=args.loglevel.upper())
     except AuKError as exc:
         log.error("worker: %s", exc.message)
         return 2

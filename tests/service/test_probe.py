@@ -71,6 +71,8 @@ def test_probe_command_follows_a_real_heartbeat(redis_server, redis_client: redi
         time.sleep(0.2)  # the heartbeat thread writes a state change at once, off the caller's thread
         ready = run_probe(redis_server.url, "w-probe")
         assert ready.returncode == 0 and "w-probe: ready" in ready.stdout
+        own = run_probe(redis_server.url, None)  # no id given: the one heartbeat that names this host
+        assert own.returncode == 0 and "w-probe: ready" in own.stdout
         heartbeat.set("busy", job_id="job-1")
         time.sleep(0.2)
         busy = run_probe(redis_server.url, "w-probe")
@@ -95,13 +97,20 @@ def test_probe_command_refuses_a_stale_or_failed_heartbeat(redis_server, redis_c
     assert failed.returncode == 1 and "OSError: no GPU" in failed.stdout
 
 
-def test_probe_command_without_redis_or_identity() -> None:
+def test_probe_command_without_redis() -> None:
     closed = f"redis://127.0.0.1:{free_port()}/0"
     unready = run_probe(closed, "w-x")
     assert unready.returncode == 1 and "redis unreachable" in unready.stdout
     live = run_probe(closed, "w-x", "--live")  # a Redis outage restarts no worker
     assert live.returncode == 0 and "redis unreachable" in live.stdout
-    anonymous = run_probe(closed, None)
+
+
+
+def test_probe_without_identity_and_no_heartbeat_of_this_host(redis_server, redis_client: redis.Redis) -> None:
+    redis_client.hset(heartbeat_key("w-elsewhere"), mapping={"state": "ready", "ts": f"{time.time():.3f}",
+                                                             "host": "another-host"})  # fmt: skip
+    redis_client.sadd("auk:workers", "w-elsewhere")
+    anonymous = run_probe(redis_server.url, None)
     assert anonymous.returncode == 1 and "AUK_WORKER_ID" in anonymous.stdout
 
 
