@@ -43,8 +43,8 @@ def block_outputs(
 @dataclass(frozen=True)
 class BlockPhases:
     """What a block runs, in three phases per stream: the way into the attention, the attention, the way out.
-    The wiring swaps in compiled phases (``compile_dit_blocks``). Split this way, a double block's text stream can run its
-    phases on a second CUDA stream, beside the audio stream's (``AuKDiT.text_stream``)."""
+    The wiring swaps in compiled phases (``compile_dit_blocks``). Split this way, a double block's text stream can
+    run its phases on a second CUDA stream, beside the audio stream's (``AuKDiT.text_stream``)."""
 
     inputs: Callable[..., Tensor] = block_inputs
     attention: Callable[..., Tensor] = Attention.attend_qkv  # (attn, qkv, layout, first)

@@ -7,10 +7,11 @@ residual add a kernel of its own. Here one program computes a tile of ``COUT_BLO
 
     y[o, t] = bias[o] + sum_j sum_i w[o, i, j] * x[i, t + j * dilation]  (+ residual[o, t])
 
-where ``x`` already starts with the conv's ``dilation * (kernel - 1)`` zeros (the activation kernel writes them,
-see ``triton_activation``), so every read is in bounds and no output needs a mask on the time axis but the last.
-The products run on the tensor cores in TF32, as cuDNN runs these fp32 convolutions under torch's defaults; both
-differ from true fp32 by TF32's rounding (tests/test_gpu.py), so the exact precision keeps cuDNN with TF32 off. Triton also runs it on the CPU under ``TRITON_INTERPRET=1``.
+where ``x`` already starts with the conv's ``dilation * (kernel - 1)`` zeros (the activation kernel writes them, see
+``triton_activation``), so every read is in bounds and no output needs a mask on the time axis but the last. The
+products run on the tensor cores in TF32, as cuDNN runs these fp32 convolutions under torch's defaults; both differ
+from true fp32 by TF32's rounding (tests/test_gpu.py), so the exact precision keeps cuDNN with TF32 off. Triton also
+runs it on the CPU under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
