@@ -21,6 +21,9 @@ job that crashes the model cannot take its neighbours' attempts with it.
   at ``AUK_MAX_KILLS`` the job fails with ``worker_crashed`` instead of taking a further worker down.
 
 No torch import here: the real pipeline brings it, and the out-of-memory check looks it up only if loaded.
+
+Longer than 400 lines: the single-job and the group path share each step (begin, clip, store, settle) and the
+Celery boundary that maps each error family to the record; together they read as one job's way through the worker.
 """
 
 from __future__ import annotations
