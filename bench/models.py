@@ -11,6 +11,7 @@ rate that utilisation is quoted against, and a context of given sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -27,6 +28,10 @@ from auk_worker.model.tiny_qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
 from auk_worker.pipeline import AuKPipeline, FastPaths, Precision, precision_dtype
 
+# What ``random_pipeline(vae_fast_paths=False)`` turns off: the VAE's activations as convolutions, its narrow
+# convolutions and upsamplers on cuDNN, its reference encode eager (the decode graphs stay).
+VAE_FAST_PATHS = ("cuda_activation", "triton_activation", "compiled_activation", "narrow_conv", "upsampler",
+                  "encode_graphs")
 PEAK_FLOPS = 790e12  # the H200's dense bf16 rate, measured on random data: what DiT utilisation is quoted against
 
 RELEASE_ARCH = {
@@ -76,12 +81,17 @@ def random_pipeline(
     device: str | torch.device = "cuda",
     precision: Precision = "fast",
     deploy: DeployConfig | None = None,
+    compile_blocks: bool = True,
+    vae_fast_paths: bool = True,
     seed: int = 0,
 ) -> AuKPipeline:
     """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times); its
-    fast paths are resolved from ``deploy`` (its ``disabled_fast_paths`` turn some off) as a loaded one's are."""
+    fast paths are resolved from ``deploy`` as a loaded one's are, less the compiled blocks without
+    ``compile_blocks`` and the VAE's kernels and encode graphs without ``vae_fast_paths`` (``VAE_FAST_PATHS``)."""
     device = torch.device(device)
     deploy = deploy or load_deploy_config()
+    off = (() if compile_blocks else ("compiled_blocks",)) + (() if vae_fast_paths else VAE_FAST_PATHS)
+    deploy = dataclasses.replace(deploy, disabled_fast_paths=(*deploy.disabled_fast_paths, *off))
     dtype = precision_dtype(precision)
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -169,14 +169,8 @@ def padded_attention(fast: FastPaths) -> str:
     return "variable-length, " + ("hand-written kernel" if fast.attention_kernel else "FlashAttention")
 
 
-# The fast paths each option turns off (the deploy config's disabled_fast_paths).
-DISABLED_BY = {
-    "no_compile": ("compiled_blocks",),
-    "plain_vae": ("cuda_activation", "triton_activation", "compiled_activation", "narrow_conv", "upsampler",
-                  "encode_graphs"),
-    "masked_attention": ("varlen_attention",),
-    "flash_attention": ("attention_kernel",),
-}
+# The fast paths each attention option turns off (the deploy config's disabled_fast_paths).
+DISABLED_BY = {"masked_attention": ("varlen_attention",), "flash_attention": ("attention_kernel",)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -201,7 +195,8 @@ def run(args: argparse.Namespace) -> dict:
             deploy = dataclasses.replace(deploy, stages=(encoder, deploy.dit))
         disabled = [name for option, names in DISABLED_BY.items() if getattr(args, option) for name in names]
         deploy = dataclasses.replace(deploy, disabled_fast_paths=(*deploy.disabled_fast_paths, *disabled))
-        base = random_pipeline("base", args.device, args.precision, deploy=deploy)
+        base = random_pipeline("base", args.device, args.precision, deploy=deploy, compile_blocks=not args.no_compile,
+                               vae_fast_paths=not args.plain_vae)
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
         flash = base.sharing_weights(release=flash)
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
