@@ -26,6 +26,17 @@ from auk_worker.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "auk.yaml"
 
+# The fast paths a deploy config can turn off by name (``disabled_fast_paths``): the fields of
+# ``auk_worker.pipeline.fastpaths.FastPaths``, which says what each one is. Listed here, without torch, so that
+# the config is checked where it is read.
+FAST_PATHS = (
+    "varlen_attention", "attention_kernel", "attention_inputs", "modulated_norm", "position_conv",
+    "compiled_blocks", "step_graphs", "text_stream", "fp8",
+    "cuda_activation", "triton_activation", "compiled_activation", "narrow_conv", "upsampler",
+    "decode_graphs", "encode_graphs", "branch_streams", "encode_stream",
+    "thinker_graphs", "thinker_compile", "audio_tower_graphs", "log_mel_graphs",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class CompilationConfig:
@@ -102,6 +113,8 @@ class DeployConfig:
     trust_remote_code: bool = True
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
+    # Fast paths turned off by name (FAST_PATHS): the worker runs the plain form there, e.g. SDPA for attention.
+    disabled_fast_paths: tuple[str, ...] = ()
     source: str = "<defaults>"
 
     @property
@@ -164,6 +177,10 @@ def _check(config: DeployConfig) -> None:
     for name, reason in _MUST_BE_FALSE.items():
         if getattr(config, name):
             raise ConfigError(f"{name}: must be false ({reason})")
+    unknown = sorted(set(config.disabled_fast_paths) - set(FAST_PATHS))
+    if unknown:
+        raise ConfigError(f"disabled_fast_paths: unknown fast path(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(FAST_PATHS)})")  # fmt: skip
     if config.encoder.limit_mm_per_prompt != {"audio": 1}:
         raise ConfigError("stages[0].limit_mm_per_prompt: AuK takes at most one audio clip: use {audio: 1}")
     for stage, where in ((config.encoder, "stages[0]"), (config.dit, "stages[1]")):

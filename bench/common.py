@@ -1,4 +1,5 @@
-"""What every benchmark records beside its numbers: the machine, the versions, the commit."""
+"""What the benchmarks share: what each records beside its numbers (the machine, the versions, the commit), how a
+GPU call is timed, and the kinds of kernel a profile is sorted into."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,3 +68,39 @@ def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
     path = out_dir / f"{name}-{tag}-{env['date'][:10]}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+# Kernel names by kind, first match wins: inductor's generated kernels (named after the ops they fuse, so before
+# the rest), the hand-written Triton kernels, attention, matrix products and convolutions; then
+# everything else (ATen's own kernels, copies, memsets).
+KINDS = (
+    ("inductor", ("triton_",)),
+    ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel",
+                      "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel", "alias_free_activation")),
+    ("attention", ("sdpa", "flash", "fmha", "_varlen_attention_kernel")),
+    ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
+)
+
+
+def kind(kernel: str) -> str:
+    """Which of KINDS a kernel name belongs to ("other" for none)."""
+    lowered = kernel.lower()
+    return next((name for name, marks in KINDS if any(mark in lowered for mark in marks)), "other")
+
+
+def durations(fn, repeats: int = 20) -> list[float]:
+    """Seconds of each of ``repeats`` calls, each from a drained GPU to a drained GPU."""
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def timed(fn, repeats: int = 20) -> float:
+    return statistics.median(durations(fn, repeats))

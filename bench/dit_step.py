@@ -11,60 +11,27 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
-import statistics
+import dataclasses
 import sys
 import time
 
 import torch
 
-from auk_worker.accel import StepGraphs
-from auk_worker.model.dit import AuKDiT, DiTConfig
+from auk_worker.deploy import load_deploy_config
+from auk_worker.model.dit import AuKDiT, DiTConfig, DiTKernels
 from auk_worker.model.fp8 import use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity, time_grid
-from bench.models import RELEASE_ARCH
-from bench.pipeline import PEAK_FLOPS, position_weights
+from auk_worker.pipeline import FastPaths
+from auk_worker.pipeline.graphs import StepGraphs
+from auk_worker.pipeline.wiring import compile_dit_blocks, dit_kernels
+from bench.common import timed
+from bench.models import PEAK_FLOPS, RELEASE_ARCH, make_ctx, position_weights
 
 
-def make_ctx(dit: AuKDiT, rows: int, text: int, ref: int, frames: int, pad: int):
-    device = dit.device
-    nt, np_, n = text + pad, (ref + pad if ref else 0), frames + pad
-    lens = lambda v: torch.full((rows,), v, device=device)  # noqa: E731
-    ctx = dit.prepare(
-        text=torch.randn(rows, nt, 2048, device=device),
-        text_lens=lens(text),
-        ref=torch.randn(rows, np_, 64, device=device) if np_ else None,
-        ref_lens=lens(ref) if np_ else None,
-        ref_valid_lens=lens(ref) if np_ else None,
-        target_len=n,
-        target_lens=lens(frames) if pad else None,
-        cfg=True,
-    )
-    return ctx, torch.randn(rows, n, 64, device=device)
-
-
-def apply_settings(model: AuKDiT, settings: dict) -> bool:
-    """Set a variant's DiT attributes on ``model``; returns its ``text_stream`` entry (default True), which is the
-    step graphs' setting, not the model's."""
-    for setting, value in settings.items():
-        if setting != "text_stream":
-            setattr(model, setting, value)
-    return settings.get("text_stream", True)
-
-
-def durations(fn, repeats: int = 20) -> list[float]:
-    """Seconds of each of ``repeats`` calls, each from a drained GPU to a drained GPU."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return times
-
-
-def timed(fn, repeats: int = 20) -> float:
-    return statistics.median(durations(fn, repeats))
+def apply_settings(model: AuKDiT, kernels: DiTKernels, text_stream: bool) -> None:
+    """A variant's kernel table, and the double blocks' text stream on a second CUDA stream or not."""
+    model.kernels = kernels
+    model.text_stream = torch.cuda.Stream(model.device) if text_stream else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,32 +58,33 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 30
     flops = 2 * args.rows * (positions * 2 * position_weights(dit) + 4 * positions**2 * 1536 * blocks)
     grid = time_grid(32, -1.0).cuda()
-    # (name, model, padding, DiT settings): without padding nothing is masked; padded, the masked keys go through
-    # the hand-written variable-length kernel, FlashAttention's, or masked SDPA. q, k, v come from the
+    # (name, model, padding, kernel table, text stream): without padding nothing is masked; padded, the masked keys
+    # go through the hand-written variable-length kernel, FlashAttention's, or masked SDPA. q, k, v come from the
     # attention-inputs kernel and the adaptive norms from the modulated-norm kernel, or from torch ops (inductor's
     # fusion when compiled). "one stream": the double blocks' text stream after the audio stream on one CUDA stream,
-    # not beside it.
-    kernels = {"varlen_attention": True, "attention_kernel": True, "inputs_kernel": True, "norm_kernel": True}
+    # not beside it. The kernels are those the pipeline resolves for this GPU.
+    kernels = dit_kernels(FastPaths.resolve(load_deploy_config(), dit.device, "fast", dit.config.dim_head))
+    without = lambda *names: dataclasses.replace(kernels, **dict.fromkeys(names))  # noqa: E731
     variants = [
-        ("exact", dit, 0, kernels),
-        ("padded", dit, 7, kernels),
-        ("padded, FlashAttention", dit, 7, {**kernels, "attention_kernel": False}),
-        ("padded, masked SDPA", dit, 7, {**kernels, "varlen_attention": False}),
-        ("padded, torch inputs", dit, 7, {**kernels, "inputs_kernel": False}),
-        ("padded, torch norms", dit, 7, {**kernels, "norm_kernel": False}),
-        ("padded, one stream", dit, 7, {**kernels, "text_stream": False}),
+        ("exact", dit, 0, kernels, True),
+        ("padded", dit, 7, kernels, True),
+        ("padded, FlashAttention", dit, 7, without("attention_kernel"), True),
+        ("padded, masked SDPA", dit, 7, without("varlen_attention", "attention_kernel"), True),
+        ("padded, torch inputs", dit, 7, without("attention_inputs"), True),
+        ("padded, torch norms", dit, 7, without("modulated_norm", "gated_residual_norm"), True),
+        ("padded, one stream", dit, 7, kernels, False),
     ]
     if args.fp8:
         fp8_dit = copy.deepcopy(dit)
         use_fp8_block_linears(fp8_dit)
-        variants.append(("padded, fp8", fp8_dit, 7, kernels))
+        variants.append(("padded, fp8", fp8_dit, 7, kernels, True))
     if args.variants:
         variants = [variant for variant in variants if variant[0] in args.variants]
     with torch.inference_mode():
-        for name, model, pad, settings in variants:
-            text_stream = apply_settings(model, settings)
+        for name, model, pad, table, text_stream in variants:
+            apply_settings(model, table, text_stream)
             ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
-            graphs = StepGraphs(model, 4, compile_blocks=False, text_stream=text_stream)
+            graphs = StepGraphs(model, 4)
             velocity = guided_velocity(model, ctx, 2.0)
             eager_s = timed(lambda: velocity(x, grid[3], 3))
             graphs.sample(ctx, x, grid, 2.0)
@@ -131,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         dynamics = {"yes": [True], "no": [False], "both": [False, True]}[args.dynamic] if args.compile else []
         for dynamic in dynamics:
             torch._dynamo.reset()
-            for name, model, pad, settings in variants:
-                text_stream = apply_settings(model, settings)
+            for name, model, pad, table, text_stream in variants:
+                apply_settings(model, table, text_stream)
                 ctx, x = make_ctx(model, args.rows, args.text, args.ref, args.frames, pad)
-                graphs = StepGraphs(model, 4, compile_blocks=True, dynamic=dynamic, text_stream=text_stream)
+                compile_dit_blocks(model, dynamic=dynamic)
+                graphs = StepGraphs(model, 4)
                 started = time.perf_counter()
                 graphs.sample(ctx, x, grid, 2.0)
                 compile_s = time.perf_counter() - started

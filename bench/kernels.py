@@ -12,6 +12,7 @@ audio tower runs as the pipeline runs it. Prints one table per stage, after the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -20,37 +21,28 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from auk_worker.accel import DecodeGraphs, EncodeGraphs, EncoderGraphs, compile_dit_blocks
-from auk_worker.model.alias_free_kernel import use_fast_activations
-from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
-from auk_worker.model.conv_kernel import use_fast_convs
+from auk_worker.deploy import load_deploy_config
 from auk_worker.model.dit import AuKDiT, DiTConfig
-from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity
+from auk_worker.model.thinker import PromptProcessor, ThinkerEncoder, ThinkerTrunk
+from auk_worker.model.thinker.audio_tower import AudioTowerRunner
 from auk_worker.model.tiny_qwen import write_tiny_qwen
-from auk_worker.model.upsample_kernel import use_fast_upsamplers
 from auk_worker.model.vae import AuKVAE, VAEConfig
-from bench.dit_step import durations, make_ctx, timed
-from bench.models import RELEASE_ARCH, release_thinker_config
+from auk_worker.pipeline import FastPaths
+from auk_worker.pipeline.graphs import DecodeGraphs, EncodeGraphs
+from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs, EncoderGraphs
+from auk_worker.pipeline.wiring import compile_dit_blocks, dit_kernels, wire_vae_kernels
+from bench.common import durations, kind, timed
+from bench.models import RELEASE_ARCH, make_ctx, release_thinker_config
 
 
-# Kernel names by kind, first match wins: inductor's generated kernels (named after the ops they fuse, so before
-# the rest), the hand-written Triton kernels, attention, matrix products and convolutions; then
-# everything else (ATen's own kernels, copies, memsets).
-KINDS = (
-    ("inductor", ("triton_",)),
-    ("hand-written", ("_attention_inputs_kernel", "_modulated_norm_kernel", "_alias_free_kernel",
-                      "_position_conv_kernel", "_causal_conv_kernel", "_overlap_add_kernel", "alias_free_activation")),
-    ("attention", ("sdpa", "flash", "fmha", "_varlen_attention_kernel")),
-    ("matrix products and convolutions", ("nvjet", "gemm", "xmma", "cutlass", "conv", "dgrad")),
-)
-
-
-def kind(kernel: str) -> str:
-    """Which of KINDS a kernel name belongs to ("other" for none)."""
-    lowered = kernel.lower()
-    return next((name for name, marks in KINDS if any(mark in lowered for mark in marks)), "other")
+def fast_paths(**disabled: bool) -> FastPaths:
+    """The fast paths the pipeline resolves for this GPU in fast precision, less those named True."""
+    deploy = load_deploy_config()
+    off = tuple(name for name, is_off in disabled.items() if is_off)
+    deploy = dataclasses.replace(deploy, disabled_fast_paths=(*deploy.disabled_fast_paths, *off))
+    return FastPaths.resolve(deploy, torch.device("cuda"), "fast", RELEASE_ARCH["dim_head"])
 
 
 def profile(name: str, fn, rows: int) -> None:
@@ -108,7 +100,8 @@ def position_convs(frames: int, rows: int) -> None:
     """The audio embedding of a step's target (its linear, two position convolutions with Mish and the residual)
     in the torch form (im2col and a batched product per convolution) and through the position-conv kernel, each
     replayed from a graph of 50 calls, at ``frames`` frames for one job and for ``rows`` jobs (a bulk pass)."""
-    from auk_worker.model.dit import AudioEmbedding
+    from auk_worker.model.dit.kernels.position_conv import position_conv
+    from auk_worker.model.dit.layers import AudioEmbedding
 
     embed = AudioEmbedding(64, RELEASE_ARCH["dim"]).to("cuda", torch.bfloat16)
     embed.conv_pos_embed.packed_weights()
@@ -118,7 +111,7 @@ def position_convs(frames: int, rows: int) -> None:
         mask = torch.ones(batch, frames, dtype=torch.bool, device="cuda")
         mask[:, frames - 7 :] = False  # a bucket's padded tail
         line = f"   {batch} job(s), padded tail"
-        for name, kernel in (("torch form", False), ("kernel", True)):
+        for name, kernel in (("torch form", None), ("kernel", position_conv)):
             line += f"   {name} {replayed(lambda kernel=kernel: embed(z, mask, kernel)) * 1e6:7.1f}"
         print(line, flush=True)
 
@@ -127,10 +120,10 @@ def norm_kernels(positions: int) -> None:
     """A block's two adaptive norms at ``positions`` rows (a step's positions over its CFG rows): the
     modulated-norm kernel against inductor's compile of the torch form (as the blocks are compiled), each replayed
     from a graph of 50 calls; then the kernel's rows per program and warps, swept."""
-    from auk_worker.model import dit as dit_module
-    from auk_worker.model import modulated_norm_kernel as kernel
+    from auk_worker.model.dit import layers
+    from auk_worker.model.dit.kernels import modulated_norm as kernel
 
-    d, eps = RELEASE_ARCH["dim"], dit_module.LAYER_NORM_EPS
+    d, eps = RELEASE_ARCH["dim"], layers.LAYER_NORM_EPS
     x, y = (torch.randn(2, positions // 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     modulation = torch.randn(1, 6 * d, device="cuda", dtype=torch.bfloat16)
     shift, scale, gate = (chunk[:, None] for chunk in modulation.chunk(6, dim=1)[:3])
@@ -138,10 +131,10 @@ def norm_kernels(positions: int) -> None:
     keep[:, -7:] = False
     tensor_bytes = x.numel() * x.element_size()
     forms = {  # name: (torch form, kernel, tensors read and written)
-        "norm": (lambda: dit_module._modulate(x, shift, scale),
+        "norm": (lambda: layers._modulate(x, shift, scale),
                  lambda: kernel.modulated_norm(x, shift, scale, eps), 2),
         "gated residual + norm": (
-            lambda: dit_module._gated_residual_norm(x, y, gate, keep, shift, scale, kernel=False),
+            lambda: layers.gated_residual_norm(x, y, gate, keep, shift, scale, kernel=None),
             lambda: kernel.gated_residual_norm(x, y, gate, keep, shift, scale, eps), 4),
     }
 
@@ -211,7 +204,7 @@ def attention_backends(length: int, padding: int = 5) -> None:
     report("flash varlen, seqused_k", lambda: flash(used))
 
     # The hand-written Triton kernel on the same packed inputs: at its launch settings, then a sweep of them.
-    from auk_worker.model import varlen_attention_kernel as varlen
+    from auk_worker.model.dit.kernels import varlen_attention as varlen
 
     def triton_varlen(launch=None):
         try:
@@ -272,16 +265,15 @@ def main(argv: list[str] | None = None) -> int:
                 dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64)).to(torch.bfloat16)
             dit.eval().requires_grad_(False)
             compile_dit_blocks(dit)  # as the worker compiles them
-            dit.varlen_attention = False if args.masked_attention else None
-            dit.inputs_kernel = False if args.torch_inputs else None
-            dit.norm_kernel = False if args.torch_norms else None
+            dit.kernels = dit_kernels(fast_paths(varlen_attention=args.masked_attention,
+                                                 attention_inputs=args.torch_inputs, modulated_norm=args.torch_norms))
             ctx, x = make_ctx(dit, args.batch, args.text, args.ref, args.frames, args.pad)
             velocity = guided_velocity(dit, ctx, 2.0)
             t = torch.tensor(0.5, device="cuda")
             shape = (f"{args.batch} job(s), text {args.text}, ref {args.ref}, frames {args.frames}, pad {args.pad}, "
                      f"{'masked SDPA' if ctx.single.visible_keys is None else 'variable-length'} attention, "
-                     f"{'inputs kernel' if ctx.single.inputs_kernel else 'torch inputs'}, "
-                     f"{'norm kernel' if ctx.single.norm_kernel else 'torch norms'}")
+                     f"{'inputs kernel' if ctx.single.attention_inputs else 'torch inputs'}, "
+                     f"{'norm kernel' if ctx.single.modulated_norm else 'torch norms'}")
             profile(f"DiT CFG step, {shape}", lambda: velocity(x, t, 3), args.rows)
             if args.fp8:
                 use_fp8_block_linears(dit)
@@ -301,11 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             latents = torch.randn(1, args.decode_frames, 64, device="cuda")
             profile(f"VAE decode, {args.decode_frames} frames, convolution activations",
                     lambda: vae.decode(latents), args.rows)
-            path = f"{use_fast_activations(vae, latents.device)} activations"
-            path += f", {use_fast_convs(vae, latents.device)} narrow convolutions on their kernel"
-            path += f", {use_fast_upsamplers(vae, latents.device)} upsamplers on theirs"
+            path = wire_vae_kernels(vae, fast_paths())
             profile(f"VAE decode, {args.decode_frames} frames, {path} (the pipeline's)",
                     lambda: vae.decode(latents), args.rows)
+            vae.branch_streams = [torch.cuda.Stream() for _ in range(vae.blocks_per_stage - 1)]  # as the wiring does
             decode_graphs = DecodeGraphs(vae, max_graphs=1)
             replay_s = timed(lambda: decode_graphs.decode(latents), 10)
             print(f"   replayed from its length's graph: {replay_s * 1e3:.2f} ms", flush=True)

@@ -4,10 +4,14 @@ The dimensions are the release's (auk-model.md 3.1, 5.1, 2.1): DiT 1536 wide, 24
 single blocks; the BigVGAN-flow VAE at its released channel widths; the Qwen2.5-Omni-3B thinker (36 layers of
 2048, 16 query / 2 key-value heads, MLP 11008; Whisper-style audio tower of 32 layers of 1280). The tokenizer and
 feature extractor come from a tiny snapshot (the compute depends on token counts, not on token ids).
+
+Also what the DiT benchmarks share about the release-size model: the weights a position passes, the GPU's peak
+rate that utilisation is quoted against, and a context of given sizes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -17,11 +21,18 @@ import torch
 
 from auk_worker.checkpoint import Release
 from auk_worker.deploy import DeployConfig, load_deploy_config
-from auk_worker.model.dit import AuKDiT, DiTConfig
-from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder, ThinkerTrunk
+from auk_worker.model.dit import AuKDiT, DiTConfig, DiTContext
+from auk_worker.model.fp8 import block_linears
+from auk_worker.model.thinker import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.tiny_qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
-from auk_worker.pipeline import AuKPipeline, Precision, precision_dtype
+from auk_worker.pipeline import AuKPipeline, FastPaths, Precision, precision_dtype
+
+# What ``random_pipeline(vae_fast_paths=False)`` turns off: the VAE's activations as convolutions, its narrow
+# convolutions and upsamplers on cuDNN, its reference encode eager (the decode graphs stay).
+VAE_FAST_PATHS = ("cuda_activation", "triton_activation", "compiled_activation", "narrow_conv", "upsampler",
+                  "encode_graphs")
+PEAK_FLOPS = 790e12  # the H200's dense bf16 rate, measured on random data: what DiT utilisation is quoted against
 
 RELEASE_ARCH = {
     "dim": 1536,
@@ -74,9 +85,13 @@ def random_pipeline(
     vae_fast_paths: bool = True,
     seed: int = 0,
 ) -> AuKPipeline:
-    """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times)."""
+    """A release-size pipeline with random weights, warmed up like a loaded one (``startup`` holds the times); its
+    fast paths are resolved from ``deploy`` as a loaded one's are, less the compiled blocks without
+    ``compile_blocks`` and the VAE's kernels and encode graphs without ``vae_fast_paths`` (``VAE_FAST_PATHS``)."""
     device = torch.device(device)
     deploy = deploy or load_deploy_config()
+    off = (() if compile_blocks else ("compiled_blocks",)) + (() if vae_fast_paths else VAE_FAST_PATHS)
+    deploy = dataclasses.replace(deploy, disabled_fast_paths=(*deploy.disabled_fast_paths, *off))
     dtype = precision_dtype(precision)
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -105,8 +120,37 @@ def random_pipeline(
         vae=vae_config,
         qwen_dir=qwen_dir,
     )
+    fast_paths = FastPaths.resolve(deploy, device, precision, dit.config.dim_head)
     pipe = AuKPipeline(release, deploy, encoder, dit, vae, device, precision, {"dit": "random", "vae": "random"},
-                       compile_blocks=compile_blocks, vae_fast_paths=vae_fast_paths)
+                       fast_paths)
     pipe.startup["load"] = time.perf_counter() - started
     pipe.warm_up()
     return pipe
+
+
+def position_weights(dit: torch.nn.Module) -> int:
+    """Block-linear weights one position passes per forward: all of a single block's, and half of a double block's
+    (audio positions pass the audio stream's linears, text positions the text stream's twins of the same sizes).
+    The embeddings and the output projection are left out (per job, or under 0.1 %)."""
+    double = {id(module) for block in dit.transformer_blocks for module in block.modules()}
+    weights = [(getattr(parent, name).weight.numel(), id(parent) in double) for parent, name in block_linears(dit)]
+    return sum(size // 2 if in_double else size for size, in_double in weights)
+
+
+def make_ctx(dit: AuKDiT, rows: int, text: int, ref: int, frames: int, pad: int) -> tuple[DiTContext, torch.Tensor]:
+    """A CFG context of ``rows`` equal requests (``text`` tokens, ``ref`` reference and ``frames`` target frames,
+    each padded by ``pad`` masked positions; a reference of 0 frames: none) and a noisy target for it."""
+    device = dit.device
+    nt, np_, n = text + pad, (ref + pad if ref else 0), frames + pad
+    lens = lambda v: torch.full((rows,), v, device=device)  # noqa: E731
+    ctx = dit.prepare(
+        text=torch.randn(rows, nt, 2048, device=device),
+        text_lens=lens(text),
+        ref=torch.randn(rows, np_, 64, device=device) if np_ else None,
+        ref_lens=lens(ref) if np_ else None,
+        ref_valid_lens=lens(ref) if np_ else None,
+        target_len=n,
+        target_lens=lens(frames) if pad else None,
+        cfg=True,
+    )
+    return ctx, torch.randn(rows, n, 64, device=device)

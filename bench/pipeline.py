@@ -24,13 +24,11 @@ import torch
 
 from auk_worker.audio import THINKER_SAMPLE_RATE, resample
 from auk_worker.deploy import load_deploy_config
-from auk_worker.model import varlen_attention_kernel
-from auk_worker.model.dit import varlen_attention_supported
-from auk_worker.model.fp8 import block_linears
+from auk_worker.pipeline import FastPaths
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE, AudioClip, RenderRequest
-from bench.common import BULK_INSTRUCTION, environment, median, write_result
+from bench.common import BULK_INSTRUCTION, environment, kind, median, write_result
+from bench.models import PEAK_FLOPS, position_weights
 
-PEAK_FLOPS = 790e12
 # The random-weight pipelines tokenize with the tiny byte-level tokenizer: about three times the tokens Qwen's
 # vocabulary gives for the same text (the text-only chat template 61 against 25; the zero-shot prompt below 92
 # against 35 around the clip's audio tokens, the instruct prompt 155 against 50). For zero-shot the surplus is about
@@ -55,15 +53,6 @@ VLLM_OMNI_S = {  # published for vLLM-Omni's deployment on an H200-class GPU
     "base instruct": {3: 0.17, 6: 0.23, 12: 0.32},
     "flash zero-shot": {3: 0.08, 6: 0.10, 12: 0.14},
 }
-
-
-def position_weights(dit: torch.nn.Module) -> int:
-    """Block-linear weights one position passes per forward: all of a single block's, and half of a double block's
-    (audio positions pass the audio stream's linears, text positions the text stream's twins of the same sizes).
-    The embeddings and the output projection are left out (per job, or under 0.1 %)."""
-    double = {id(module) for block in dit.transformer_blocks for module in block.modules()}
-    weights = [(getattr(parent, name).weight.numel(), id(parent) in double) for parent, name in block_linears(dit)]
-    return sum(size // 2 if in_double else size for size, in_double in weights)
 
 
 def dit_flops(pipe, positions: int, text: int, frames: int, rows: int, steps: int) -> float:
@@ -102,9 +91,7 @@ def measure(pipe, request: RenderRequest, runs: int, warmup: int) -> dict:
 def gpu_timeline(pipe, request: RenderRequest, rows: int = 12) -> dict:
     """One render under the profiler: the span of its GPU work, how much of it some stream was busy, the longest
     idle gaps (with the kernels either side, to place them), and the busy time by kind of kernel
-    (``bench.kernels.KINDS``; concurrent streams make these add up to more than the busy time)."""
-    from bench.kernels import kind
-
+    (``bench.common.KINDS``; concurrent streams make these add up to more than the busy time)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         pipe.render(request)
@@ -176,11 +163,14 @@ def throughput(pipe, jobs: int, seconds: float, batch: int, budget: int) -> dict
     }
 
 
-def padded_attention(dit, args: argparse.Namespace) -> str:
-    if args.masked_attention or not varlen_attention_supported(dit.device, dit.dtype, dit.config.dim_head):
+def padded_attention(fast: FastPaths) -> str:
+    if not fast.varlen_attention:
         return "masked SDPA"
-    kernel = not args.flash_attention and varlen_attention_kernel.available(dit.device, dit.dtype, dit.config.dim_head)
-    return "variable-length, " + ("hand-written kernel" if kernel else "FlashAttention")
+    return "variable-length, " + ("hand-written kernel" if fast.attention_kernel else "FlashAttention")
+
+
+# The fast paths each attention option turns off (the deploy config's disabled_fast_paths).
+DISABLED_BY = {"masked_attention": ("varlen_attention",), "flash_attention": ("attention_kernel",)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -203,12 +193,10 @@ def run(args: argparse.Namespace) -> dict:
             encoder = dataclasses.replace(deploy.encoder, compilation_config=dataclasses.replace(
                 deploy.encoder.compilation_config, mode=args.thinker_mode))
             deploy = dataclasses.replace(deploy, stages=(encoder, deploy.dit))
+        disabled = [name for option, names in DISABLED_BY.items() if getattr(args, option) for name in names]
+        deploy = dataclasses.replace(deploy, disabled_fast_paths=(*deploy.disabled_fast_paths, *disabled))
         base = random_pipeline("base", args.device, args.precision, deploy=deploy, compile_blocks=not args.no_compile,
                                vae_fast_paths=not args.plain_vae)
-        if args.masked_attention:
-            base.dit.varlen_attention = False
-        if args.flash_attention:
-            base.dit.attention_kernel = False
         flash = dataclasses.replace(base.release, variant="flash", name="AuK-Flash")
         flash = base.sharing_weights(release=flash)
         startup = {"build_s": base.startup["load"], "warm_up_s": base.startup["warm_up"]}
@@ -268,10 +256,11 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "pipeline",
         "mode": "tiny" if args.tiny else "release-size random weights",
         "precision": base.precision,
-        "graphs": base.step_graphs is not None,
-        "compiled_blocks": not args.no_compile and base.step_graphs is not None,
-        "vae_fast_paths": base.encode_graphs is not None,
-        "padded_attention": padded_attention(base.dit, args),
+        "graphs": base.fast_paths.step_graphs,
+        "compiled_blocks": base.fast_paths.compiled_blocks,
+        "vae_fast_paths": base.fast_paths.encode_graphs,
+        "padded_attention": padded_attention(base.fast_paths),
+        "fast_paths": list(base.fast_paths.names_on),
         "thinker_compilation_mode": base.deploy.encoder.compilation_config.mode,
         "runs": args.runs,
         "startup_s": startup,

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from auk_worker.model.alias_free import (
+from auk_worker.model.vae.alias_free import (
     PHASE_PAD,
     PHASE_TAPS,
     TAPS,
@@ -213,7 +213,7 @@ def check_fused_kernel() -> None:
     alignments, log-scale and plain parameters; rows long enough for blocks inside them (813: the second and
     third of four blocks), which skip the edge handling and give the same bits as with it. Run in a process with
     TRITON_INTERPRET=1 (see below)."""
-    from auk_worker.model.alias_free_kernel import fused_activation
+    from auk_worker.model.vae.kernels.triton_activation import fused_activation
 
     for causal in (True, False):
         for logscale in (True, False):
@@ -242,10 +242,10 @@ def check_fused_kernel() -> None:
         assert torch.equal(fused[..., :left_pad], torch.zeros(2, 3, left_pad))
         assert relative(fused, reference) < 1e-6, (left_pad, relative(fused, reference))
     # The CUDA kernel's entry point hands what it does not take (here: tensors off the GPU) to this kernel.
-    from auk_worker.model import alias_free_cuda
+    from auk_worker.model.vae.kernels import cuda_activation
 
     args = (x, act.act.alpha, act.act.beta, act.upsample.filter, lowpass.filter, True, lowpass.pad, 2)
-    assert torch.equal(alias_free_cuda.fused_activation(*args, min_blocks=0), fused_activation(*args))
+    assert torch.equal(cuda_activation.fused_activation(*args, min_blocks=0), fused_activation(*args))
 
 
 @needs_triton

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from auk_worker.model.dit import Attention, Rope, RotaryEmbedding
-from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
+from auk_worker.model.dit.attention import Attention
+from auk_worker.model.dit.config import Rope
+from auk_worker.model.dit.kernels.attention_inputs import attention_inputs_reference
+from auk_worker.model.dit.layers import RotaryEmbedding
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 HEADS, DIM_HEAD = 3, 16
@@ -48,7 +50,7 @@ def check_kernel() -> None:
     """The kernel against the reference: one stream and two (joined along the sequence), row counts that do not
     fill a program, keys in order and moved to slots, fp32 (tight) and bf16 (the interpreter rounds bf16 by
     truncation: one unit in the last place). Run with TRITON_INTERPRET=1 (see below)."""
-    from auk_worker.model.attention_inputs_kernel import attention_inputs
+    from auk_worker.model.dit.kernels.attention_inputs import attention_inputs
 
     generator = torch.Generator().manual_seed(5)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):

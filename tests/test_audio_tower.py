@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from auk_worker.errors import AudioError
-from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner, ChunkPlan
-from auk_worker.model.encoder import ThinkerTrunk, audio_token_count, load_thinker_trunk
+from auk_worker.model.thinker.audio_tower import AudioTowerRunner, ChunkPlan
+from auk_worker.model.thinker.prompt import audio_token_count
+from auk_worker.model.thinker.trunk import ThinkerTrunk, load_thinker_trunk
+from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs
 from auk_worker.model.tiny_qwen import tiny_config, tiny_vocab, write_tiny_qwen
 
 # fp32: measured at most 6.3e-7 of the output's largest magnitude (different SDPA kernels, masked vs split).

@@ -34,8 +34,7 @@ def test_utilisation_counts_the_weights_a_position_passes():
     import torch
 
     from auk_worker.model.dit import AuKDiT, DiTConfig
-    from bench.models import RELEASE_ARCH
-    from bench.pipeline import position_weights
+    from bench.models import RELEASE_ARCH, position_weights
 
     with torch.device("meta"):
         dit = AuKDiT(DiTConfig.from_arch(RELEASE_ARCH, latent_dim=64))
@@ -81,7 +80,7 @@ def test_results_name_a_changed_checkout_dirty(tmp_path, monkeypatch):
 
 
 def test_kernel_kinds_sort_the_names_a_dit_step_profile_shows():
-    from bench.kernels import kind
+    from bench.common import kind
 
     products = "matrix products and convolutions"
     assert kind("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == products

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from auk_worker.model.conv_kernel import hand_convs_to_kernel, tap_major
 from auk_worker.model.vae import AuKVAE, VAEConfig
+from auk_worker.model.vae.kernels.narrow_conv import causal_conv, tap_major
+from auk_worker.model.vae.vae import use_conv_kernel
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 
@@ -20,8 +21,6 @@ def check_causal_conv() -> None:
     """Widths below, at and past one block of input or output channels; every release kernel size and dilation;
     lengths shorter than a program's tile and not a multiple of it; a batch of two; with and without a residual
     read through the strides of a slice."""
-    from auk_worker.model.conv_kernel import causal_conv
-
     generator = torch.Generator().manual_seed(0)
     for channels in (5, 24, 48, 96):
         for kernel, dilation in ((3, 1), (7, 3), (11, 5)):
@@ -53,9 +52,9 @@ def check_decoder_with_kernel_convs() -> None:
     vae, latents = small_decoder()
     with torch.inference_mode():
         expected = vae.decode(latents)
-        assert hand_convs_to_kernel(vae, max_width=32) == 5 * 18  # stages 64, 32, ... 2 wide; 18 convs each
+        assert use_conv_kernel(vae, causal_conv, max_width=32) == 5 * 18  # stages 64, 32, ... 2 wide; 18 convs each
         got = vae.decode(latents)
-        assert hand_convs_to_kernel(vae, max_width=0) == 0
+        assert use_conv_kernel(vae, causal_conv, max_width=0) == 0
         assert torch.equal(vae.decode(latents), expected)  # handed back
     assert relative(got, expected) < 1e-5, relative(got, expected)
 

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from auk_worker.cuda_graph import capture_graph
+from auk_worker.pipeline.cuda_graph import capture_graph
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -10,12 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from auk_worker.deploy import load_deploy_config
 from auk_worker.errors import CheckpointError, InputError
-from auk_worker.model import dit as dit_module
-from auk_worker.model.dit import PLAIN_PHASES, AdaLayerNorm, AdaLayerNormFinal, AuKDiT, DiTConfig, SingleStreamBlock
-from auk_worker.model.attention_inputs_kernel import attention_inputs_reference
-from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
-from auk_worker.model.position_conv_kernel import position_conv_reference
+from auk_worker.model.dit import AuKDiT, DiTConfig, DiTKernels
+from auk_worker.model.dit.blocks import PLAIN_PHASES, SingleStreamBlock
+from auk_worker.model.dit.kernels.attention_inputs import attention_inputs_reference
+from auk_worker.model.dit.kernels.modulated_norm import gated_residual_norm_reference, modulated_norm_reference
+from auk_worker.model.dit.kernels.position_conv import position_conv_reference
+from auk_worker.model.dit.kernels.varlen_attention import varlen_attention_reference
+from auk_worker.model.dit.layers import AdaLayerNorm, AdaLayerNormFinal, ConvPositionEmbedding
+from auk_worker.pipeline.fastpaths import FastPaths
+from auk_worker.pipeline.wiring import dit_kernels
 
 TINY = DiTConfig(
     dim=64, heads=4, dim_head=16, ff_mult=2.0, text_hidden_dim=32, latent_dim=64, num_layers=2, num_single_layers=2
@@ -66,6 +72,12 @@ def model() -> AuKDiT:
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def resolved_on_the_cpu(precision: str = "fast") -> DiTKernels:
+    """The kernel table the pipeline resolves on this machine's CPU: the torch form everywhere."""
+    fast = FastPaths.resolve(load_deploy_config(), torch.device("cpu"), precision, TINY.dim_head)
+    return dit_kernels(fast)
 
 
 # ---- names, sizes, config --------------------------------------------------------------------------------------
@@ -320,15 +332,14 @@ def assert_valid_frames_close(actual: torch.Tensor, expected: torch.Tensor) -> N
 
 
 def velocity_per_setting(model: AuKDiT, seed: int, cfg: bool, settings: dict, with_ref: bool = True) -> dict:
-    """The padded rows' velocity under each of ``settings`` ({key: {model attribute: value}}, set in turn):
+    """The padded rows' velocity under each of ``settings`` ({key: the DiT's kernel table}, set in turn):
     {key: (context, velocity)}."""
     text, ref, x, lens, n, t = padded_rows(seed)
     reference = (ref, lens["np"], lens["valid"]) if with_ref else (None, None, None)
     results = {}
     with torch.no_grad():
-        for key, switches in settings.items():
-            for name, value in switches.items():
-                setattr(model, name, value)
+        for key, kernels in settings.items():
+            model.kernels = kernels
             ctx = model.prepare(text, lens["nt"], *reference, n, lens["n"], cfg=cfg)
             results[key] = ctx, model(x, t, ctx)
     return results
@@ -336,12 +347,12 @@ def velocity_per_setting(model: AuKDiT, seed: int, cfg: bool, settings: dict, wi
 
 @pytest.mark.parametrize("cfg", [False, True])
 @pytest.mark.parametrize("with_ref", [True, False])
-def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_ref: bool, monkeypatch) -> None:
+def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_ref: bool) -> None:
     """The GPU's form of a masked batch (keys reordered visible first, the kernel reading each row's first
     ``count``), run here with a reference kernel: the same velocity as the masked attention, padding included."""
     calls = []
-    monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append(1) or reference_varlen_attention(*a))
-    settings = {varlen: {"varlen_attention": varlen} for varlen in (False, True)}
+    counted = lambda *a: calls.append(1) or reference_varlen_attention(*a)  # noqa: E731
+    settings = {False: DiTKernels(), True: DiTKernels(varlen_attention=counted)}
     results = velocity_per_setting(make_model(seed=2), 23, cfg, settings, with_ref)
     for varlen, (ctx, _) in results.items():
         assert (ctx.joint.visible_keys is not None) == varlen and (ctx.single.visible_keys is not None) == varlen
@@ -349,33 +360,30 @@ def test_variable_length_attention_matches_the_masked_attention(cfg: bool, with_
     assert_valid_frames_close(results[True][1], results[False][1])
 
 
-def test_the_hand_written_attention_kernel_takes_the_variable_length_calls(monkeypatch) -> None:
+def test_the_hand_written_attention_kernel_takes_the_variable_length_calls() -> None:
     """With ``attention_kernel`` the variable-length calls go to the hand-written kernel (here its torch reference)
     instead of FlashAttention's, over the same packed rows and counts: the same velocity."""
-    from auk_worker.model import varlen_attention_kernel
-
     calls = []
-    monkeypatch.setattr(dit_module, "varlen_attention", lambda *a: calls.append("flash") or reference_varlen_attention(*a))
-    reference = varlen_attention_kernel.varlen_attention_reference
-    monkeypatch.setattr(varlen_attention_kernel, "varlen_attention",
-                        lambda *a, **kw: calls.append("kernel") or reference(*a, **kw))  # fmt: skip
+    flash = lambda *a: calls.append("flash") or reference_varlen_attention(*a)  # noqa: E731
+    hand_written = lambda *a, **kw: calls.append("kernel") or varlen_attention_reference(*a, **kw)  # noqa: E731
     model = make_model(seed=6)
-    model.varlen_attention = True
     text, ref, x, lens, n, t = padded_rows(seed=63)
     outputs = {}
     with torch.no_grad():
         for kernel in (False, True):
-            model.attention_kernel = kernel
+            model.kernels = DiTKernels(varlen_attention=flash, attention_kernel=hand_written if kernel else None)
             ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=True)
-            assert ctx.joint.visible_keys.kernel == ctx.single.visible_keys.kernel == kernel
+            assert ctx.joint.visible_keys.attention_kernel is ctx.single.visible_keys.attention_kernel
+            assert (ctx.single.visible_keys.attention_kernel is not None) == kernel
             outputs[kernel] = model(x, t, ctx)
     blocks = TINY.num_layers + TINY.num_single_layers
     assert calls == ["flash"] * blocks + ["kernel"] * blocks
     assert_valid_frames_close(outputs[True], outputs[False])
-    model.attention_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    # resolved for the CPU: only where the kernel runs, never here
+    model.kernels = dataclasses.replace(resolved_on_the_cpu(), varlen_attention=flash)
     with torch.no_grad():
         ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=True)
-    assert not ctx.single.visible_keys.kernel
+    assert ctx.single.visible_keys.attention_kernel is None
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -384,14 +392,11 @@ def test_the_last_block_computes_only_the_target(kernel: bool, monkeypatch) -> N
     feed-forward on the target alone: the same velocity as every position through it, cut to the target, on a
     padded CFG batch. ``kernel``: the masked attention through the hand-written kernel (here its torch
     reference), which is asked for the queries from the target's first position on."""
-    from auk_worker.model import varlen_attention_kernel
-
     firsts = []
-    reference = varlen_attention_kernel.varlen_attention_reference
-    monkeypatch.setattr(varlen_attention_kernel, "varlen_attention",
-                        lambda *a, **kw: firsts.append(kw.get("first", 0)) or reference(*a, **kw))  # fmt: skip
+    hand_written = lambda *a, **kw: firsts.append(kw.get("first", 0)) or varlen_attention_reference(*a, **kw)  # noqa: E731
     model = make_model(seed=7)
-    model.varlen_attention = model.attention_kernel = kernel
+    if kernel:
+        model.kernels = DiTKernels(varlen_attention=reference_varlen_attention, attention_kernel=hand_written)
     text, ref, x, lens, n, t = padded_rows(seed=71)
     whole = SingleStreamBlock.forward
 
@@ -414,50 +419,50 @@ def test_the_last_block_computes_only_the_target(kernel: bool, monkeypatch) -> N
 
 
 @pytest.mark.parametrize("cfg", [False, True])
-def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
+def test_attention_inputs_kernel_path_matches_the_module_path(cfg: bool) -> None:
     """The GPU's form of the attention inputs (one call per attention from the qkv projection to q, k, v, the
     double blocks' streams joined by the call, k and v in the variable-length kernel's key order), run here with
     the kernels' torch references: the same velocity as the module path, with masked or variable-length
     attention."""
     calls = []
-    monkeypatch.setattr(dit_module, "attention_inputs",
-                        lambda *a: calls.append(len(a[0])) or attention_inputs_reference(*a))  # fmt: skip
-    monkeypatch.setattr(dit_module, "varlen_attention", reference_varlen_attention)
+    counted = lambda *a: calls.append(len(a[0])) or attention_inputs_reference(*a)  # noqa: E731
     model = make_model(seed=3)
-    settings = {(fused, varlen): {"inputs_kernel": fused, "varlen_attention": varlen}
+    settings = {(fused, varlen): DiTKernels(attention_inputs=counted if fused else None,
+                                            varlen_attention=reference_varlen_attention if varlen else None)
                 for fused, varlen in ((False, False), (True, False), (True, True))}  # fmt: skip
     results = velocity_per_setting(model, 33, cfg, settings)
     for (fused, _), (ctx, _) in results.items():
-        assert ctx.joint.inputs_kernel == ctx.single.inputs_kernel == fused
+        assert ctx.joint.attention_inputs is ctx.single.attention_inputs
+        assert (ctx.single.attention_inputs is not None) == fused
     outputs = {key: velocity for key, (_, velocity) in results.items()}
     assert calls == 2 * ([2] * TINY.num_layers + [1] * TINY.num_single_layers)  # joint blocks pass both streams
     torch.testing.assert_close(outputs[True, False], outputs[False, False], rtol=0, atol=1e-5)
     assert_valid_frames_close(outputs[True, True], outputs[False, False])
-    model.inputs_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    model.kernels = resolved_on_the_cpu()  # only where the kernel runs, never on the CPU
     with torch.no_grad():
         ctx = model.prepare(rand(1, 5, 32, seed=1), torch.tensor([5]), None, None, None, 7, cfg=cfg)
-    assert not ctx.single.inputs_kernel
+    assert ctx.single.attention_inputs is None
 
 
 @pytest.mark.parametrize("cfg", [False, True])
-def test_modulated_norm_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
+def test_modulated_norm_kernel_path_matches_the_module_path(cfg: bool) -> None:
     """The GPU's form of the adaptive norms (one call per norm, the gated residual and its padded-row mask folded
     into the norm before each feed-forward), run here with the kernel's torch references: the same velocity as the
     module path, with the modulation computed per row or shared."""
     calls = []
-    monkeypatch.setattr(dit_module, "modulated_norm",
-                        lambda *a: calls.append("norm") or modulated_norm_reference(*a))  # fmt: skip
-    monkeypatch.setattr(dit_module, "gated_residual_norm",
-                        lambda *a: calls.append("residual") or gated_residual_norm_reference(*a))  # fmt: skip
+    kernels = DiTKernels(modulated_norm=lambda *a: calls.append("norm") or modulated_norm_reference(*a),
+                         gated_residual_norm=lambda *a: calls.append("residual") or gated_residual_norm_reference(*a))
     model = make_model(seed=4)
     text, ref, x, lens, n, t = padded_rows(seed=43)
     shared_t = t[:1]  # one time for every row: the modulation as one row [1, width], as the graph path passes it
     outputs = {}
     with torch.no_grad():
         for kernel in (False, True):
-            model.norm_kernel = kernel
+            model.kernels = kernels if kernel else DiTKernels()
             ctx = model.prepare(text, lens["nt"], ref, lens["np"], lens["valid"], n, lens["n"], cfg=cfg)
-            assert ctx.joint.norm_kernel == ctx.single.norm_kernel == kernel
+            assert ctx.joint.modulated_norm is ctx.single.modulated_norm
+            assert ctx.joint.gated_residual_norm is ctx.single.gated_residual_norm
+            assert (ctx.single.modulated_norm is not None) == (ctx.single.gated_residual_norm is not None) == kernel
             outputs[kernel] = model(x, t, ctx)  # a modulation row per context row
             outputs[kernel, "shared"] = model(x, shared_t[0], ctx, modulation=model.modulation(shared_t))
     norms = 2 * TINY.num_layers + TINY.num_single_layers  # a double block norms two streams
@@ -465,29 +470,28 @@ def test_modulated_norm_kernel_path_matches_the_module_path(cfg: bool, monkeypat
     for key in (True, (True, "shared")):
         expected = outputs[False] if key is True else outputs[False, "shared"]
         torch.testing.assert_close(outputs[key], expected, rtol=0, atol=1e-5)
-    model.norm_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    model.kernels = resolved_on_the_cpu()  # only where the kernel runs, never on the CPU
     with torch.no_grad():
-        assert not model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.norm_kernel
+        assert model.prepare(text, lens["nt"], None, None, None, n, cfg=cfg).single.modulated_norm is None
 
 
 @pytest.mark.parametrize("cfg", [False, True])
-def test_position_conv_kernel_path_matches_the_module_path(cfg: bool, monkeypatch) -> None:
+def test_position_conv_kernel_path_matches_the_module_path(cfg: bool) -> None:
     """The GPU's form of the audio embedding's position convolutions (one call per convolution from the packed
     weights, Mish, the padded frames' zeroing and the embedding's residual fused), run here with the kernel's torch
     reference: the same velocity as the module path, for the reference (embedded once) and the target (each step)."""
     calls = []
-    monkeypatch.setattr(dit_module, "position_conv",
-                        lambda *a: calls.append(a[3] is not None) or position_conv_reference(*a))  # fmt: skip
+    counted = lambda *a: calls.append(a[3] is not None) or position_conv_reference(*a)  # noqa: E731
     model = make_model(seed=5)
-    results = velocity_per_setting(model, 53, cfg, {kernel: {"conv_kernel": kernel} for kernel in (False, True)})
-    assert [ctx.conv_kernel for ctx, _ in results.values()] == [False, True]
+    results = velocity_per_setting(model, 53, cfg, {False: DiTKernels(), True: DiTKernels(position_conv=counted)})
+    assert [ctx.position_conv is not None for ctx, _ in results.values()] == [False, True]
     # two convolutions for each of the reference, its uncond twin (with CFG) and the target, all with a mask
     assert calls == [True] * 2 * (2 + cfg)
     torch.testing.assert_close(results[True][1], results[False][1], rtol=0, atol=1e-5)
-    model.conv_kernel = None  # automatic: only where the kernel runs, never on the CPU
+    model.kernels = resolved_on_the_cpu()  # only where the kernel runs, never on the CPU
     with torch.no_grad():
         ctx = model.prepare(rand(1, 5, 32, seed=1), torch.tensor([5]), None, None, None, 7, cfg=cfg)
-    assert not ctx.conv_kernel
+    assert ctx.position_conv is None
 
 
 def test_position_conv_weights_are_packed_again_only_when_a_weight_changes() -> None:
@@ -499,13 +503,13 @@ def test_position_conv_weights_are_packed_again_only_when_a_weight_changes() -> 
     second = embed.packed_weights()
     assert second is not first and torch.equal(second[1], 2 * first[1]) and torch.equal(second[0], first[0])
     with torch.inference_mode():  # weights made here keep no version count: packed once, by where they live
-        fresh = dit_module.ConvPositionEmbedding(64)
+        fresh = ConvPositionEmbedding(64)
         assert fresh.packed_weights() is fresh.packed_weights()
 
 
 def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -> None:
     model = copy.deepcopy(model)
-    model.varlen_attention = True
+    model.kernels = DiTKernels(varlen_attention=reference_varlen_attention)
     with torch.no_grad():
         ctx = model.prepare(rand(2, 3, 32, seed=26), torch.tensor([3, 2]), rand(2, 4, 64, seed=27),
                             torch.tensor([4, 2]), torch.tensor([3, 2]), 2, torch.tensor([2, 1]), cfg=False)
@@ -516,7 +520,7 @@ def test_visible_keys_put_each_rows_visible_keys_first_in_order(model: AuKDiT) -
     for row in range(2):
         shown = keys.order[row, : keys.count[row]]
         assert visible[row, shown].all() and not visible[row, keys.order[row, keys.count[row] :]].any()
-    model.varlen_attention = None  # automatic: only where FlashAttention runs, never on the CPU
+    model.kernels = resolved_on_the_cpu()  # only where FlashAttention runs, never on the CPU
     with torch.no_grad():
         ctx = model.prepare(rand(2, 3, 32, seed=26), torch.tensor([3, 2]), None, None, None, 2, cfg=False)
     assert ctx.single.key_mask is not None and ctx.single.visible_keys is None
@@ -673,7 +677,7 @@ def test_precomputed_modulation_rows_give_the_same_velocity(model: AuKDiT) -> No
 def test_the_step_graphs_modulation_table_serves_each_step_its_row_window_by_window(model: AuKDiT) -> None:
     """``ModulationTable`` as the step graphs use it (fill per window of ``capacity`` steps, ``next`` per step),
     run on the CPU: every step gets the row of its own time, also past the first window."""
-    from auk_worker.accel import ModulationTable
+    from auk_worker.pipeline.graphs import ModulationTable
 
     grid = torch.linspace(0, 1, 8)  # 7 steps
     table = ModulationTable(model, capacity=3, cached_grids=1)
@@ -692,7 +696,7 @@ def test_the_step_graphs_modulation_table_serves_each_step_its_row_window_by_win
 
 
 def test_cublas_runs_without_a_workspace_unless_the_environment_sets_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from auk_worker.accel import CUBLAS_WITHOUT_WORKSPACE, cublas_without_workspace
+    from auk_worker.pipeline.wiring import CUBLAS_WITHOUT_WORKSPACE, cublas_without_workspace
 
     for name in CUBLAS_WITHOUT_WORKSPACE:  # unset here, and as the session had it afterwards (set or not)
         monkeypatch.setenv(name, "")
@@ -705,14 +709,18 @@ def test_cublas_runs_without_a_workspace_unless_the_environment_sets_one(monkeyp
 
 def test_a_step_graph_is_keyed_by_the_contexts_kernel_switches_as_well_as_its_shapes(model: AuKDiT) -> None:
     """A graph captured with one kernel switch must not replay for a context of the same shapes with another."""
-    from auk_worker.accel import _signature
+    from auk_worker.pipeline.graphs import _signature
 
     model = copy.deepcopy(model)
     text = rand(1, 5, 32, seed=71)
     with torch.no_grad():
         signatures = set()
         for inputs_kernel, norm_kernel in ((False, False), (True, False), (False, True)):
-            model.inputs_kernel, model.norm_kernel = inputs_kernel, norm_kernel
+            model.kernels = DiTKernels(
+                attention_inputs=attention_inputs_reference if inputs_kernel else None,
+                modulated_norm=modulated_norm_reference if norm_kernel else None,
+                gated_residual_norm=gated_residual_norm_reference if norm_kernel else None,
+            )
             signatures.add(_signature(model.prepare(text, torch.tensor([5]), None, None, None, 7, cfg=True)))
         again = _signature(model.prepare(text, torch.tensor([5]), None, None, None, 7, cfg=True))
     assert len(signatures) == 3 and again in signatures
@@ -721,7 +729,7 @@ def test_a_step_graph_is_keyed_by_the_contexts_kernel_switches_as_well_as_its_sh
 def test_compiled_blocks_serve_every_layout_a_worker_meets() -> None:
     """More layouts than dynamo's default recompile limit of 8 pass through the compiled blocks (with
     ``fullgraph`` the ninth compilation would raise inside a job), each with the uncompiled blocks' output."""
-    from auk_worker.accel import compile_dit_blocks
+    from auk_worker.pipeline.wiring import compile_dit_blocks
 
     plain, compiled = make_model(seed=2), make_model(seed=2)
     torch._dynamo.reset()
@@ -750,8 +758,8 @@ def test_compiled_blocks_trace_the_norm_kernels_wrappers_whole(monkeypatch) -> N
     shape checks with ``fullgraph`` and give the uncompiled blocks' velocity. (With the blocks' phases arranged
     otherwise, dynamo judged a torch.Size ``in`` a tuple of shapes wrongly there, and the check raised; with the
     eager backend it did not: bench/RESULTS.md, the deferred residual.)"""
-    from auk_worker.accel import compile_dit_blocks
-    from auk_worker.model import modulated_norm_kernel
+    from auk_worker.model.dit.kernels import modulated_norm as modulated_norm_kernel
+    from auk_worker.pipeline.wiring import compile_dit_blocks
 
     monkeypatch.setattr(modulated_norm_kernel, "_modulated_norm",
                         lambda x, shift, scale, stride, eps: modulated_norm_reference(x, shift, scale, eps))
@@ -759,7 +767,8 @@ def test_compiled_blocks_trace_the_norm_kernels_wrappers_whole(monkeypatch) -> N
                         lambda x, y, gate, keep, shift, scale, stride, eps: gated_residual_norm_reference(
                             x, y, gate, keep, shift, scale, eps))  # fmt: skip
     plain, compiled = make_model(seed=3), make_model(seed=3)
-    plain.norm_kernel = compiled.norm_kernel = True
+    plain.kernels = compiled.kernels = DiTKernels(modulated_norm=modulated_norm_kernel.modulated_norm,
+                                                  gated_residual_norm=modulated_norm_kernel.gated_residual_norm)
     torch._dynamo.reset()
     compile_dit_blocks(compiled)
     text, ref, x, lens, n, _ = padded_rows(seed=91)

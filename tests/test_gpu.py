@@ -5,6 +5,7 @@ Skipped where there is no CUDA. The tolerances are the measured differences with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -48,7 +49,8 @@ def compare(what: str, fast: torch.Tensor, reference: torch.Tensor, tolerance: f
 
 def eager(pipe):
     """The same pipeline with the graph path switched off."""
-    return pipe.sharing_weights(step_graphs=None, decode_graphs=None, encode_graphs=None)
+    eager_runners = dataclasses.replace(pipe.accelerated, step_graphs=None, decode_graphs=None, encode_graphs=None)
+    return pipe.sharing_weights(accelerated=eager_runners)
 
 
 def test_release_size_renders_six_seconds(pipe):
@@ -104,14 +106,14 @@ def test_step_graphs_replay_kernels_only(pipe):
     """No memset nodes in the step graphs: at the 12 s zero-shot shape of ``bench.pipeline`` (2,148 rows in each
     single block) cuBLAS with a workspace runs the feed-forward's input product as a persistent kernel that needs
     a zeroed counter, a memset before each of them with idle GPU around it. The pipeline asks for cuBLAS without a
-    workspace (``accel.CUBLAS_WITHOUT_WORKSPACE``)."""
-    from auk_worker.accel import CUBLAS_WITHOUT_WORKSPACE
+    workspace (``wiring.CUBLAS_WITHOUT_WORKSPACE``)."""
+    from auk_worker.pipeline.wiring import CUBLAS_WITHOUT_WORKSPACE
     from bench.pipeline import ZERO_SHOT
 
     if any(os.environ.get(name) != value for name, value in CUBLAS_WITHOUT_WORKSPACE.items()):
         pytest.skip("the environment sets its own cuBLAS workspace")
     pipe.render(RenderRequest(ZERO_SHOT, audio=clip(5.0), gen_seconds=12.0, seed=15))  # its step graph captured
-    for step_graph in pipe.step_graphs.graphs.values():
+    for step_graph in pipe.accelerated.step_graphs.graphs.values():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step_graph.graph.replay()  # the next render copies its own state in first
             torch.cuda.synchronize()
@@ -168,22 +170,27 @@ def test_batched_matches_alone(pipe):
 PADDED_LENS = ([217, 190], [250, 175], [300, 280])  # per row: prompt tokens, reference frames, target frames
 
 
-def padded_cfg_velocity(dit, setting: str, values: tuple, seed: int) -> dict:
-    """A padded CFG batch of two requests at release size in bf16 through the DiT once per value of its
-    attribute ``setting`` (reset to automatic after): {value: velocity [4, 300, 64]}."""
+def with_and_without(dit, *kernels: str) -> dict:
+    """The DiT's kernel table as the pipeline resolved it (True), and without ``kernels`` (False)."""
+    return {True: dit.kernels, False: dataclasses.replace(dit.kernels, **dict.fromkeys(kernels))}
+
+
+def padded_cfg_velocity(dit, tables: dict, seed: int) -> dict:
+    """A padded CFG batch of two requests at release size in bf16 through the DiT once per kernel table of
+    ``tables`` (the DiT's own put back after): {key: velocity [4, 300, 64]}."""
     generator = torch.Generator("cuda").manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
     text_lens, ref_lens, target_lens = (torch.tensor(v, device="cuda") for v in PADDED_LENS)
     x, t = rand(2, 300, 64), torch.tensor(0.4, device="cuda")
     args = (rand(2, 224, 2048), text_lens, rand(2, 250, 64), ref_lens, ref_lens - 1, 300, target_lens)
-    velocity = {}
+    velocity, resolved = {}, dit.kernels
     with torch.inference_mode():
-        for value in values:
-            setattr(dit, setting, value)
+        for key, kernels in tables.items():
+            dit.kernels = kernels
             try:
-                velocity[value] = dit(x, t, dit.prepare(*args, cfg=True))
+                velocity[key] = dit(x, t, dit.prepare(*args, cfg=True))
             finally:
-                setattr(dit, setting, None)
+                dit.kernels = resolved
     return velocity
 
 
@@ -195,7 +202,7 @@ def compare_valid_frames(what: str, fast: torch.Tensor, reference: torch.Tensor,
 
 def test_variable_length_attention_matches_masked_attention(pipe):
     """The DiT with FlashAttention over each row's visible keys against the same DiT with masked SDPA."""
-    velocity = padded_cfg_velocity(pipe.dit, "varlen_attention", (True, False), seed=2)
+    velocity = padded_cfg_velocity(pipe.dit, with_and_without(pipe.dit, "varlen_attention", "attention_kernel"), seed=2)
     compare_valid_frames("variable-length vs masked attention", velocity[True], velocity[False], 2e-2)
 
 
@@ -203,7 +210,7 @@ def test_hand_written_attention_kernel_matches_flash_attention(pipe):
     """The hand-written variable-length kernel alone at release widths (against an fp32 reference: 2 rows of 774
     positions and 16 of 556, some keys hidden), and in the release-size DiT's compiled blocks against
     FlashAttention's kernel (a padded CFG batch, bf16)."""
-    from auk_worker.model.varlen_attention_kernel import varlen_attention, varlen_attention_reference
+    from auk_worker.model.dit.kernels.varlen_attention import varlen_attention, varlen_attention_reference
 
     generator = torch.Generator("cuda").manual_seed(8)
     for rows, m in ((2, 774), (16, 556)):
@@ -216,7 +223,7 @@ def test_hand_written_attention_kernel_matches_flash_attention(pipe):
             reference = varlen_attention_reference(q.float(), k.float(), v.float(), starts, count, m)
         compare(f"attention kernel, {rows} rows of {m}, against fp32", fast, reference, 4e-3)  # bf16 rounding
 
-    velocity = padded_cfg_velocity(pipe.dit, "attention_kernel", (True, False), seed=9)
+    velocity = padded_cfg_velocity(pipe.dit, with_and_without(pipe.dit, "attention_kernel"), seed=9)
     compare_valid_frames("hand-written attention kernel vs FlashAttention", velocity[True], velocity[False], 2e-2)
 
 
@@ -224,7 +231,7 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
     """The attention-inputs kernel against the torch form that inductor fuses, alone at release widths (against
     an fp32 reference, keys in order and in a shuffled order) and in the release-size DiT's compiled blocks (a
     padded CFG batch, bf16, variable-length attention)."""
-    from auk_worker.model.attention_inputs_kernel import attention_inputs, attention_inputs_reference
+    from auk_worker.model.dit.kernels.attention_inputs import attention_inputs, attention_inputs_reference
 
     dit = pipe.dit
     generator = torch.Generator("cuda").manual_seed(4)
@@ -245,7 +252,7 @@ def test_attention_inputs_kernel_matches_the_torch_form(pipe):
             compare(f"attention-inputs kernel, {name} ({order}) against fp32", out, ref, 4e-3)  # bf16 rounding
         assert torch.equal(fast[2].float(), reference[2])  # v is copied
 
-    velocity = padded_cfg_velocity(dit, "inputs_kernel", (True, False), seed=5)
+    velocity = padded_cfg_velocity(dit, with_and_without(dit, "attention_inputs"), seed=5)
     compare_valid_frames("attention-inputs kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 
@@ -253,10 +260,10 @@ def test_modulated_norm_kernel_matches_the_torch_form(pipe):
     """The modulated-norm kernel against an fp32 reference alone at release width (both forms, a keep mask
     dropping positions, the final norm's strided slice), and in the release-size DiT's compiled blocks against
     the torch form that inductor fuses (a padded CFG batch, bf16)."""
-    from auk_worker.model.dit import LAYER_NORM_EPS
-    from auk_worker.model.modulated_norm_kernel import (
+    from auk_worker.model.dit.kernels.modulated_norm import (
         gated_residual_norm, gated_residual_norm_reference, modulated_norm, modulated_norm_reference,
     )
+    from auk_worker.model.dit.layers import LAYER_NORM_EPS
 
     generator = torch.Generator("cuda").manual_seed(6)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
@@ -277,7 +284,7 @@ def test_modulated_norm_kernel_matches_the_torch_form(pipe):
         compare(f"its norm, {mod_rows} modulation row(s), against fp32", normed, ref_normed, 4e-3)
         assert torch.equal(stream[~keep[..., 0]], x[~keep[..., 0]])  # dropped positions keep their stream
 
-    velocity = padded_cfg_velocity(pipe.dit, "norm_kernel", (True, False), seed=7)
+    velocity = padded_cfg_velocity(pipe.dit, with_and_without(pipe.dit, "modulated_norm", "gated_residual_norm"), seed=7)
     compare_valid_frames("modulated-norm kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 
@@ -285,7 +292,7 @@ def test_position_conv_kernel_matches_the_torch_form(pipe):
     """The position-convolution kernel against an fp32 reference alone at release width (the DiT's own first
     convolution, 12 s of target with a padded tail, and a residual), and in the release-size DiT against the torch
     form (im2col and one batched product; a padded CFG batch, bf16)."""
-    from auk_worker.model.position_conv_kernel import pack, position_conv, position_conv_reference
+    from auk_worker.model.dit.kernels.position_conv import pack, position_conv, position_conv_reference
 
     conv = pipe.dit.audio_embed.conv_pos_embed.conv1d[0]
     generator = torch.Generator("cuda").manual_seed(10)
@@ -298,17 +305,20 @@ def test_position_conv_kernel_matches_the_torch_form(pipe):
             reference = position_conv_reference(x.float(), packed, conv.bias, mask, res)
             compare(f"position conv{what}, against fp32", fast, reference, 4e-3)  # bf16 rounding of the output
 
-    velocity = padded_cfg_velocity(pipe.dit, "conv_kernel", (True, False), seed=11)
+    velocity = padded_cfg_velocity(pipe.dit, with_and_without(pipe.dit, "position_conv"), seed=11)
     compare_valid_frames("position-conv kernel vs torch form", velocity[True], velocity[False], 2e-2)
 
 
 def test_fp8_block_linears_at_release_size():
     """The opt-in fp8 precision on a release-size DiT (random weights): how far E4M3 block linears move the
     velocity from bf16, and the compiled graph path against eager with them."""
-    from auk_worker.accel import StepGraphs
+    from auk_worker.deploy import load_deploy_config
     from auk_worker.model.dit import AuKDiT, DiTConfig
     from auk_worker.model.fp8 import fp8_supported, use_fp8_block_linears
     from auk_worker.model.sampling import euler_sample, guided_velocity, time_grid
+    from auk_worker.pipeline import FastPaths
+    from auk_worker.pipeline.graphs import StepGraphs
+    from auk_worker.pipeline.wiring import compile_dit_blocks, dit_kernels
     from bench.models import RELEASE_ARCH
 
     if not fp8_supported(torch.device("cuda")):
@@ -319,6 +329,7 @@ def test_fp8_block_linears_at_release_size():
     for param in dit.parameters():
         if not param.any():
             param.data.normal_(0.0, 0.02)
+    dit.kernels = dit_kernels(FastPaths.resolve(load_deploy_config(), torch.device("cuda"), "fast", 64))
     generator = torch.Generator("cuda").manual_seed(3)
     text = torch.randn(1, 160, 2048, device="cuda", generator=generator)
     x = torch.randn(1, 300, 64, device="cuda", generator=generator)
@@ -331,14 +342,17 @@ def test_fp8_block_linears_at_release_size():
         compare("velocity, fp8 block linears against bf16", dit(x, t, ctx), reference, 0.2)
         grid = time_grid(8, -1.0).cuda()
         eager = euler_sample(guided_velocity(dit, ctx, 2.0), x, grid)
-        replayed = StepGraphs(dit, 2, compile_blocks=True).sample(ctx, x, grid, 2.0)
+        dit.text_stream = torch.cuda.Stream()  # as the wiring sets up the graph path
+        compile_dit_blocks(dit)
+        replayed = StepGraphs(dit, 2).sample(ctx, x, grid, 2.0)
         compare("fp8, 8 steps, compiled graphs against eager", replayed, eager, 0.05)
 
 
 def test_audio_tower_graphs_match_the_transformers_tower(pipe):
     """The chunk-batched tower replayed from graphs, its layers eager (the pipeline's at compilation mode 0) and
     compiled (mode 1 and up), against transformers' own forward, in bf16 at release size."""
-    from auk_worker.model.audio_tower import AudioTowerGraphs, AudioTowerRunner
+    from auk_worker.model.thinker.audio_tower import AudioTowerRunner
+    from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs
 
     trunk = pipe.encoder.trunk
     graphs = trunk.audio_runner
@@ -384,16 +398,17 @@ def test_log_mel_graphs_match_the_eager_features(pipe):
 def test_compiled_decode_matches_the_convolution_path(pipe):
     """The graph-replayed decoder with fused activation kernels, the narrow convolutions and the upsamplers on their
     kernels against the plain convolution decoder (cuDNN, TF32)."""
-    from auk_worker.model.alias_free import AliasFreeActivation
-    from auk_worker.model.vae import UpsampleConv
+    from auk_worker.model.vae.alias_free import AliasFreeActivation
+    from auk_worker.model.vae.vae import UpsampleConv
 
     activations = [m for m in pipe.vae.modules() if isinstance(m, AliasFreeActivation)]
     assert all(m.fused for m in activations)
     on_kernel = [m for m in pipe.vae.modules() if getattr(m, "fast_weight", None) is not None]
-    assert len(on_kernel) == 54  # the AMP convolutions of the 96, 48 and 24 channel stages
-    fast_weights = [conv.fast_weight for conv in on_kernel]
+    assert len(on_kernel) == 54 and all(m.kernel is not None for m in on_kernel)  # the 96, 48 and 24-wide stages
+    conv_kernels = [conv.kernel for conv in on_kernel]
     upsamplers = [m for m in pipe.vae.modules() if isinstance(m, UpsampleConv)]
-    assert len(upsamplers) == 6 and all(m.fast for m in upsamplers)
+    assert len(upsamplers) == 6 and all(m.kernel is not None for m in upsamplers)
+    upsample_kernels = [m.kernel for m in upsamplers]
     generator = torch.Generator("cuda").manual_seed(1)
     for frames in (150, 320, 700):  # a bucket's graph, a whole bucket, tiles of the largest bucket
         latents = torch.randn(1, frames, 64, device="cuda", generator=generator)
@@ -402,18 +417,18 @@ def test_compiled_decode_matches_the_convolution_path(pipe):
             for m in activations:
                 m.fused = False
             for m in upsamplers:
-                m.fast = False
-            for conv in on_kernel:  # set aside and put back the very tensors the captured graphs read
-                conv.fast_weight = None
+                m.kernel = None
+            for conv in on_kernel:  # the weights the captured graphs read stay where they are
+                conv.kernel = None
             try:
                 reference = pipe.vae.decode(latents)
             finally:
                 for m in activations:
                     m.fused = True
-                for m in upsamplers:
-                    m.fast = True
-                for conv, weight in zip(on_kernel, fast_weights):
-                    conv.fast_weight = weight
+                for m, kernel in zip(upsamplers, upsample_kernels):
+                    m.kernel = kernel
+                for conv, kernel in zip(on_kernel, conv_kernels):
+                    conv.kernel = kernel
         compare(f"decode, {frames} frames, fused graphs vs convolutions", fast, reference, 1e-2)
 
 
@@ -422,7 +437,7 @@ def test_causal_conv_kernel_matches_conv1d():
     widths and the longest lengths of a 12 s decode."""
     import torch.nn.functional as F
 
-    from auk_worker.model.conv_kernel import causal_conv, tap_major
+    from auk_worker.model.vae.kernels.narrow_conv import causal_conv, tap_major
 
     generator = torch.Generator("cuda").manual_seed(4)
     randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)  # noqa: E731
@@ -452,7 +467,7 @@ def test_upsample_kernel_matches_conv_transpose1d():
     the release widths and the lengths of a 12 s decode; in fp32 (TF32 off for both) they agree to rounding."""
     import torch.nn.functional as F
 
-    from auk_worker.model.upsample_kernel import causal_upsample
+    from auk_worker.model.vae.kernels.upsample import causal_upsample
 
     generator = torch.Generator("cuda").manual_seed(5)
     randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator)
@@ -479,8 +494,8 @@ def test_upsample_kernel_matches_conv_transpose1d():
 def test_fused_activation_kernel_matches_the_convolutions():
     """The Triton kernel against the convolution path in fp32, at release widths and lengths and at the edges; the
     blocks inside a row, which skip the edge handling, give the same bits as with it."""
-    from auk_worker.model.alias_free import AliasFreeActivation
-    from auk_worker.model.alias_free_kernel import fused_activation
+    from auk_worker.model.vae.alias_free import AliasFreeActivation
+    from auk_worker.model.vae.kernels.triton_activation import fused_activation
 
     torch.manual_seed(3)
     cases = [(True, True, 768, 1500), (False, True, 24, 144_007), (True, False, 96, 37), (False, False, 48, 1)]
@@ -509,8 +524,12 @@ def test_cuda_activation_kernel_gives_the_triton_kernels_bits():
     """The CUDA C++ activation kernel against the Triton kernel, bit for bit: release widths, a row's ends and
     lengths around its block, batched rows read through a slice along time, the causal convolution's zeros in
     front, and arguments past the sine's branch-free range (libdevice's own sine there)."""
-    from auk_worker.model import alias_free_cuda, alias_free_kernel
-    from auk_worker.model.alias_free import AliasFreeActivation
+    from auk_worker.deploy import load_deploy_config
+    from auk_worker.model.vae.alias_free import AliasFreeActivation
+    from auk_worker.model.vae.kernels import cuda_activation as alias_free_cuda
+    from auk_worker.model.vae.kernels import triton_activation as alias_free_kernel
+    from auk_worker.pipeline import FastPaths
+    from auk_worker.pipeline.wiring import wire_vae_kernels
 
     assert alias_free_cuda.available(torch.device("cuda"))
     torch.manual_seed(4)
@@ -536,7 +555,8 @@ def test_cuda_activation_kernel_gives_the_triton_kernels_bits():
         assert fast.shape == (batch, channels, left_pad + length)
         assert torch.equal(fast, expected), (causal, logscale, batch, channels, length, log_alpha)
     model = torch.nn.ModuleList([AliasFreeActivation(8, True, True)]).cuda()
-    assert alias_free_kernel.use_fast_activations(model, torch.device("cuda")).startswith("CUDA kernel")
+    fast = FastPaths.resolve(load_deploy_config(), torch.device("cuda"), "fast", 64)
+    assert fast.cuda_activation and wire_vae_kernels(model, fast).startswith("activations: CUDA kernel")
     assert model[0].polyphase_fn is alias_free_cuda.fused_activation
 
 
@@ -546,7 +566,7 @@ def test_encode_graphs_match_the_eager_encode(pipe):
     for samples in (24_000, 30_241, 121_999):  # a whole bucket, just past one, five seconds less a sample
         wav = 0.1 * torch.randn(1, samples, device="cuda", generator=generator)
         with torch.inference_mode():
-            fast = pipe.encode_graphs.encode(wav)
+            fast = pipe.accelerated.encode_graphs.encode(wav)
             reference = pipe.vae.encode(wav)
         assert reference.shape == (1, pipe.vae.encoded_frames(samples), 64)
         compare(f"vae encode, {samples} samples, graphs vs eager", fast, reference, 1e-3)
@@ -557,8 +577,8 @@ def test_compiled_thinker_layers_match_the_transformers_text_model(pipe):
     against transformers' text model (bf16, eager); both against an fp32 copy of the same weights."""
     import copy
 
-    from auk_worker.accel import EncoderGraphs
-    from auk_worker.model.encoder import ThinkerEncoder
+    from auk_worker.model.thinker import ThinkerEncoder
+    from auk_worker.pipeline.thinker_graphs import EncoderGraphs
 
     loaded = pipe.encoder
     def encoder(trunk=loaded.trunk) -> ThinkerEncoder:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from auk_worker.model.dit import LAYER_NORM_EPS, _gated_residual_norm, _modulated_norm
-from auk_worker.model.modulated_norm_kernel import gated_residual_norm_reference, modulated_norm_reference
+from auk_worker.model.dit import layers
+from auk_worker.model.dit.kernels.modulated_norm import gated_residual_norm_reference, modulated_norm_reference
+from auk_worker.model.dit.layers import LAYER_NORM_EPS
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 DIM = 48  # not a power of two, as the release width (1,536) is not
@@ -31,12 +32,12 @@ def test_references_are_the_blocks_torch_form() -> None:
         a = inputs(3, 7, mod_rows, torch.float32, seed=mod_rows)
         torch.testing.assert_close(
             modulated_norm_reference(a["x"], a["shift"], a["scale"], LAYER_NORM_EPS),
-            _modulated_norm(a["x"], a["shift"], a["scale"], kernel=False), rtol=1e-6, atol=1e-6,
+            layers.modulated_norm(a["x"], a["shift"], a["scale"], kernel=None), rtol=1e-6, atol=1e-6,
         )
         for keep in (a["keep"], None):
             args = (a["x"], a["y"], a["gate"], keep, a["shift"], a["scale"])
             for ref, torch_form in zip(gated_residual_norm_reference(*args, LAYER_NORM_EPS),
-                                       _gated_residual_norm(*args, kernel=False)):  # fmt: skip
+                                       layers.gated_residual_norm(*args, kernel=None)):  # fmt: skip
                 torch.testing.assert_close(ref, torch_form, rtol=1e-6, atol=1e-6)
     dropped = a["keep"][..., 0].logical_not().nonzero()
     assert len(dropped) > 0  # the keep mask drops positions, so the tests above cover it
@@ -47,7 +48,7 @@ def check_kernel() -> None:
     rows and one per row, keep masks or none, a strided input (the final norm's slice), fp32 (tight), fp16 and bf16
     (the interpreter rounds bf16 by truncation: one unit in the last place). Run with TRITON_INTERPRET=1 (see
     below)."""
-    from auk_worker.model.modulated_norm_kernel import gated_residual_norm, modulated_norm
+    from auk_worker.model.dit.kernels.modulated_norm import gated_residual_norm, modulated_norm
 
     def close(fast: torch.Tensor, exact: torch.Tensor, tolerance: float, what: tuple) -> None:
         assert fast.shape == exact.shape and fast.dtype == exact.dtype and fast.is_contiguous(), what

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from auk_worker.checkpoint import read_release
 from auk_worker.errors import AudioError, CheckpointError, InputError, ModelError
-from auk_worker.model.dit import _grouped_conv_as_bmm
+from auk_worker.model.dit.layers import _grouped_conv_as_bmm
 from auk_worker.model.sampling import FLASH_T_GRID
 from auk_worker.pipeline import AuKPipeline
 from auk_worker.tiny import make_tiny_checkpoint

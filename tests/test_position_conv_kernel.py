@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from auk_worker.model.position_conv_kernel import pack, position_conv_reference, unpack
+from auk_worker.model.dit.kernels.position_conv import pack, position_conv_reference, unpack
 from tests.test_varlen_attention_kernel import multiply_bf16_tiles_by_value
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
@@ -45,7 +45,7 @@ def check_kernel() -> None:
     positions and not a multiple of them (the taps reach past both ends); rows kept in full, partly or not at
     all; with and without a residual; x read through the strides of a slice. Tolerances: fp32 1e-5 relative;
     bf16 2e-2 relative (one rounding of the output, against an fp32 reference on the same bf16 inputs)."""
-    from auk_worker.model.position_conv_kernel import position_conv
+    from auk_worker.model.dit.kernels.position_conv import position_conv
 
     multiply_bf16_tiles_by_value()
     generator = torch.Generator().manual_seed(1)
@@ -82,7 +82,7 @@ def test_the_op_traces_on_fake_tensors() -> None:
     """Inside a compiled region the op is traced on fake tensors: it gives the output's shape without running."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from auk_worker.model.position_conv_kernel import position_conv
+    from auk_worker.model.dit.kernels.position_conv import position_conv
 
     with FakeTensorMode():
         packed, bias = torch.randn(31, 16, 4, 16), torch.randn(64)  # pack's layout for 64 channels in 16 groups

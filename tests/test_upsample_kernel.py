@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from auk_worker.model.upsample_kernel import hand_upsamplers_to_kernel
-from auk_worker.model.vae import UpsampleConv
+from auk_worker.model.vae.kernels.upsample import BLOCK_Q, causal_upsample
+from auk_worker.model.vae.vae import UpsampleConv, use_upsample_kernel
 from tests.test_conv_kernel import small_decoder
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
@@ -19,8 +19,6 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_causal_upsample() -> None:
     """Every release stride; lengths of one input, shorter than a program's block and past it (not a multiple);
     a batch of two; an input read through the strides of a slice."""
-    from auk_worker.model.upsample_kernel import BLOCK_Q, causal_upsample
-
     torch.manual_seed(0)
     with torch.inference_mode():
         for stride in (2, 3, 4, 5):
@@ -39,9 +37,9 @@ def check_decoder_with_kernel_upsamplers() -> None:
     vae, latents = small_decoder()
     with torch.inference_mode():
         expected = vae.decode(latents)
-        assert hand_upsamplers_to_kernel(vae) == 6
+        assert use_upsample_kernel(vae, causal_upsample) == 6
         got = vae.decode(latents)
-        assert hand_upsamplers_to_kernel(vae, enabled=False) == 0
+        assert use_upsample_kernel(vae, None) == 0
         assert torch.equal(vae.decode(latents), expected)  # handed back
     assert relative(got, expected) < 1e-5, relative(got, expected)
 
@@ -50,8 +48,8 @@ def test_only_causal_fp32_upsamplers_go_to_the_kernel():
     causal = UpsampleConv(8, 4, 6, 3, causal=True)
     centred = UpsampleConv(8, 4, 6, 3, causal=False)
     half = UpsampleConv(8, 4, 6, 3, causal=True).to(torch.bfloat16)
-    assert hand_upsamplers_to_kernel(torch.nn.ModuleList([causal, centred, half])) == 1
-    assert (causal.fast, centred.fast, half.fast) == (True, False, False)
+    assert use_upsample_kernel(torch.nn.ModuleList([causal, centred, half]), causal_upsample) == 1
+    assert (causal.kernel, centred.kernel, half.kernel) == (causal_upsample, None, None)
 
 
 @needs_triton

@@ -9,15 +9,10 @@ import torch
 from torch import nn
 
 from auk_worker.errors import CheckpointError, ConfigError
-from auk_worker.model.alias_free import lowpass_taps
-from auk_worker.model.vae import (
-    AuKVAE,
-    VAEConfig,
-    decoder_context,
-    load_vae,
-    plan_tiles,
-    weight_norm_keys,
-)
+from auk_worker.model.vae import AuKVAE, VAEConfig, load_vae, plan_tiles
+from auk_worker.model.vae.alias_free import lowpass_taps
+from auk_worker.model.vae.config import decoder_context
+from auk_worker.model.vae.vae import weight_norm_keys
 
 TINY = VAEConfig(upsample_initial_channel=64, downsample_channels=(12, 12, 12, 12, 16, 16, 16))
 HOP = 480

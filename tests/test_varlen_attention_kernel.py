@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from auk_worker.model.varlen_attention_kernel import varlen_attention_reference
+from auk_worker.model.dit.kernels.varlen_attention import varlen_attention_reference
 from tests.triton_interpreter import needs_triton, run_in_interpreter
 
 HEADS = 2
@@ -83,7 +83,7 @@ def check_kernel() -> None:
     in the last place relative, so the error is within 2 ulp * max |v|: 2^-10 in fp16 (2^-11 per rounding), 2^-6 in
     bf16 (2^-7 per rounding under the interpreter's truncation; half that on a GPU, which rounds to nearest).
     Run with TRITON_INTERPRET=1 (see below)."""
-    from auk_worker.model.varlen_attention_kernel import launch_settings, varlen_attention
+    from auk_worker.model.dit.kernels.varlen_attention import launch_settings, varlen_attention
 
     multiply_bf16_tiles_by_value()
     default, small = launch_settings(), (16, 32, 4, 1)  # small: quick in the interpreter; 16 != 32 tells the two apart
@@ -119,7 +119,7 @@ def check_split_output() -> None:
     """With ``split`` the kernel writes the same values, every row's first ``split`` positions first and then every
     row's rest: a joint attention's audio and text parts, each contiguous. Splits inside the first query block,
     on a block's edge and inside the last; a row with no visible key. Bad splits are refused."""
-    from auk_worker.model.varlen_attention_kernel import varlen_attention
+    from auk_worker.model.dit.kernels.varlen_attention import varlen_attention
 
     multiply_bf16_tiles_by_value()
     launch = (16, 32, 4, 1)
@@ -147,7 +147,7 @@ def check_first_queries() -> None:
     writes them row after row: the same values as the whole output's (each query's sum is its own). ``first``
     inside the first query block, on a block's edge and inside the last; a row with no visible key; the reference
     lays its output out the same way. Bad values are refused."""
-    from auk_worker.model.varlen_attention_kernel import varlen_attention
+    from auk_worker.model.dit.kernels.varlen_attention import varlen_attention
 
     multiply_bf16_tiles_by_value()
     launch = (16, 32, 4, 1)
@@ -190,7 +190,7 @@ def test_the_op_traces_on_fake_tensors() -> None:
     """Inside a compiled region the op is traced on fake tensors: it gives the output's shape without running."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from auk_worker.model.varlen_attention_kernel import varlen_attention
+    from auk_worker.model.dit.kernels.varlen_attention import varlen_attention
 
     with FakeTensorMode():
         q, k, v = packed(2, 9, 16, torch.bfloat16, seed=2, strided=True)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from auk_worker.errors import InputError, ModelError
-from auk_worker.rules import MAX_STEPS, STEPS, SWAY  # noqa: F401 - MAX_STEPS sizes the step graphs' grid (accel)
+from auk_worker.rules import STEPS, SWAY
 
 if TYPE_CHECKING:
     from auk_worker.model.dit import AuKDiT, DiTContext

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from torch import Tensor
 
-from auk_worker.model.encoder import ThinkerTrunk, read_thinker_config
+from auk_worker.model.thinker.prompt import read_thinker_config
+from auk_worker.model.thinker.trunk import ThinkerTrunk
 
 TEXT_HIDDEN = 64
 AUDIO_D_MODEL = 32

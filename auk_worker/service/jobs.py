@@ -31,6 +31,9 @@ master), not on Redis Cluster.
 Batch counters move inside the same script as the job, so ``get_batch`` is O(1). The worker that records a
 batch's last terminal job is told so (``Transition.batch_done``) and writes the manifest; a later delivery of any of
 the batch's jobs writes it if it is still missing (the canceled jobs' case, or that worker's death).
+
+Longer than 400 lines: the record, the Lua scripts that move it and the store that runs them are one state
+machine; split apart, each script would be read away from the fields it moves.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ job that crashes the model cannot take its neighbours' attempts with it.
   (``recovery.py``) stops at its next step and records nothing.
 
 No torch import here: the real pipeline brings it, and the out-of-memory check looks it up only if loaded.
+
+Longer than 400 lines: the single-job and the group path share each step (begin, clip, store, settle) and the
+Celery boundary that maps each error family to the record; together they read as one job's way through the worker.
 """
 
 from __future__ import annotations

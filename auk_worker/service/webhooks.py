@@ -1,7 +1,7 @@
 """Webhooks in the Standard Webhooks scheme: signing, per-owner secrets, durable deliveries, and their dispatcher.
 
-Longer than the usual file on purpose: the signature scheme, the two Redis stores and the dispatcher that joins them
-are one feature, read top to bottom in the order a delivery meets them.
+Longer than 400 lines: the signature scheme, the two Redis stores and the dispatcher that joins them are one
+feature, read top to bottom in the order a delivery meets them.
 
 - **Signing** (standard-webhooks/standard-webhooks ``spec/standard-webhooks.md``): a secret is ``whsec_`` + base64
   of random bytes; a request carries ``webhook-id`` (the delivery's id, the same on every retry),

@@ -1,24 +1,22 @@
 """The VAE decoder's narrow causal convolutions as one Triton kernel each, with the bias and the residual add fused.
 
 Past the third upsampler the decoder's signals are long and narrow (96, 48 and 24 channels over 72k to 288k
-samples for a 12 s clip), and cuDNN runs those convolutions far from the memory bandwidth they need: 150-320 us a
-convolution with its residual add at those sizes on an H200, where reading the input and the residual and
-writing the output once takes about 20 us. Here one program computes a tile of ``COUT_BLOCK`` output channels by
+samples for a 12 s clip), and cuDNN runs those convolutions far from the memory bandwidth they need, with the
+residual add a kernel of its own. Here one program computes a tile of ``COUT_BLOCK`` output channels by
 ``BLOCK_T`` samples (``_tile``) as a sum of ``kernel`` matrix products, one per tap:
 
     y[o, t] = bias[o] + sum_j sum_i w[o, i, j] * x[i, t + j * dilation]  (+ residual[o, t])
 
-where ``x`` already starts with the conv's ``dilation * (kernel - 1)`` zeros (the activation kernel writes them,
-see ``alias_free_kernel``), so every read is in bounds and no output needs a mask on the time axis but the last.
-The products run on the tensor cores in TF32, as cuDNN runs these fp32 convolutions under torch's defaults.
-Against true fp32 the kernel differs by about 4.3e-4 (relative L2), cuDNN's TF32 by 1.6e-4 (tests/test_gpu.py);
-the exact precision keeps cuDNN with TF32 off. Triton also runs it on the CPU under ``TRITON_INTERPRET=1``.
+where ``x`` already starts with the conv's ``dilation * (kernel - 1)`` zeros (the activation kernel writes them, see
+``triton_activation``), so every read is in bounds and no output needs a mask on the time axis but the last. The
+products run on the tensor cores in TF32, as cuDNN runs these fp32 convolutions under torch's defaults; both differ
+from true fp32 by TF32's rounding (tests/test_gpu.py), so the exact precision keeps cuDNN with TF32 off. Triton also
+runs it on the CPU under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 try:
     import triton
@@ -68,8 +66,8 @@ if triton is not None:
 
 def _tile(channels: int) -> tuple[int, int, int, int]:
     """(CIN_BLOCK, COUT_BLOCK, BLOCK_T, num_warps) for a width: all output channels in one program (tl.dot needs
-    16 or more), input channels 16 at a time below 96. Chosen by timing the release widths on an H200 (24, 48 and
-    96 channels at kernel 3 and 11: 100-190 us against cuDNN's 150-320 us with its separate residual add)."""
+    16 or more), input channels 16 at a time below 96. Chosen by timing the release widths (24, 48 and 96 channels
+    at kernel 3 and 11) on an H200."""
     cout = max(16, triton.next_power_of_2(channels))
     if cout <= 32:
         return 16, cout, 64, 4
@@ -108,25 +106,3 @@ def causal_conv(
 def tap_major(weight: torch.Tensor) -> torch.Tensor:
     """A conv weight [out, in, kernel] as the kernel reads it: [kernel, out, in], contiguous."""
     return weight.permute(2, 0, 1).contiguous()
-
-
-def use_fast_convs(model: nn.Module, device: torch.device, max_width: int = MAX_WIDTH) -> int:
-    """Run the causal, square, fp32 convolutions of ``model``'s AMP blocks up to ``max_width`` channels with this
-    kernel (in TF32) where it can run on ``device``; returns how many (none off CUDA or without Triton)."""
-    return hand_convs_to_kernel(model, max_width) if available(device) else 0
-
-
-def hand_convs_to_kernel(model: nn.Module, max_width: int = MAX_WIDTH) -> int:
-    """``use_fast_convs`` whatever the device (tests run the kernel in Triton's interpreter); ``max_width`` 0 hands
-    every conv back to torch. Returns how many convs the kernel runs."""
-    from auk_worker.model.vae import AMPBlock  # vae imports this module; the import here avoids the cycle
-
-    count = 0
-    for block in model.modules():
-        if isinstance(block, AMPBlock):
-            for conv in (*block.convs1, *block.convs2):
-                fits = (conv.left_pad and conv.in_channels == conv.out_channels <= max_width
-                        and conv.bias is not None and conv.weight.dtype == torch.float32)
-                conv.fast_weight = tap_major(conv.weight.detach()) if fits else None
-                count += bool(fits)
-    return count

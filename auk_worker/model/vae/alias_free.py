@@ -15,13 +15,13 @@ Two equal formulations (same taps, same edges; sums rounded in a different order
 - the polyphase path (``use_fused_activations``): the 2x upsample is two phases of 6 taps, output samples 2i and
   2i + 1 each a weighted sum of shifted input samples; snake runs on the phases; the decimator is a weighted sum of
   12 strided slices of the (replicate-padded) interleaved phases. Only slicing, replicate padding, scalar-tap
-  products and elementwise ops: ``torch.compile`` fuses it into three pointwise kernels (seen on the H200), which
-  still write and re-read the 2x-rate signal. Eager it is ~40 small ops: on a CPU faster than the convolutions
-  for long narrow signals (24 channels x 48k samples: 60 vs 101 ms), slower for short wide ones (384 x 1200:
-  9.7 vs 5.1 ms).
+  products and elementwise ops: ``torch.compile`` fuses it into three pointwise kernels, which still write and
+  re-read the 2x-rate signal. Eager it is ~40 small ops: on a CPU faster than the convolutions for long narrow
+  signals, slower for short wide ones.
 
-On CUDA the pipeline runs the polyphase form as one hand-written kernel per activation: ``alias_free_cuda``'s
-(CUDA C++, built with NVRTC), or ``alias_free_kernel``'s (Triton) where that one cannot run.
+On CUDA the pipeline's wiring runs the polyphase form as one hand-written kernel per activation (``kernels/``:
+``cuda_activation``, CUDA C++ built with NVRTC, or ``triton_activation`` where that one cannot run), or where
+neither runs as one ``torch.compile`` of it (:func:`compile_fused_activations`).
 
 Shapes: ``b`` batch, ``c`` channels, ``t`` samples at the activation's input rate.
 """
@@ -236,7 +236,7 @@ def compile_fused_activations(model: nn.Module, **options: object) -> int:
 
     One compilation serves every activation, whatever its width or length (a second one for batch 1 against
     larger batches, which dynamo specialises). Compiling a whole decoder instead traces its 109 activations one
-    after another (26 s on a 2-core CPU at release size) and only adds the fusion of the residual adds."""
+    after another, a long start-up, and only adds the fusion of the residual adds."""
     compiled = torch.compile(polyphase_activation, dynamic=True, fullgraph=True, **options)
 
     def run(*args: Any, left_pad: int = 0) -> torch.Tensor:

@@ -15,10 +15,10 @@ shapes follow the clip. ``AudioTowerRunner`` computes the same thing over zero-p
 - ``prepare``: the clip's frames zero-padded to [c, m, w] and each chunk's frame count [c], on the device.
 - ``core``: fixed shapes for a chunk count, no host syncs. One SDPA call per layer over [c, h, t, dh] with an
   additive key mask built once from the chunk frame counts, so the last chunk's padded tokens are never keys; q, k
-  and v come from one product over the layer's stacked projection weights (``encoder.fuse_linears``). Only the
+  and v come from one product over the layer's stacked projection weights (``trunk.fuse_linears``). Only the
   last chunk has padding, so the valid tokens are a prefix of the flattened [c * t] sequence: pairing that
   sequence is the reference's per-clip pooling, and the valid output rows are the first na.
-``AudioTowerGraphs`` replays ``core`` from one CUDA graph per chunk count (eager off CUDA).
+The pipeline's ``AudioTowerGraphs`` replays ``core`` from one CUDA graph per chunk count.
 
 The runner shares the tower's modules (no weight copies) and holds no state between calls.
 
@@ -29,19 +29,15 @@ p pooled rows (c * t // 2), do output width (2048), na audio tokens of the clip 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from auk_worker.cuda_graph import capture_graph
 from auk_worker.errors import AudioError
-from auk_worker.model.encoder import audio_token_count, fuse_linears
-
-logger = logging.getLogger(__name__)
-
+from auk_worker.model.thinker.prompt import audio_token_count
+from auk_worker.model.thinker.trunk import fuse_linears
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -80,7 +76,7 @@ def _encoder_layer(layer: nn.Module, qkv: nn.Linear, x: Tensor, key_bias: Tensor
 def _conv_as_product(x: Tensor, conv: nn.Conv1d) -> Tensor:
     """``conv`` (no dilation, one group) as one matrix product over its input's windows: [c, i, w] -> [c, t, o],
     the layout the layers read. For conv2's [1280, 1280, 3] weight cuDNN converted the weight's layout at every
-    call (about 80 µs on the H200, against 23 µs for the convolution itself)."""
+    call, which cost more than the convolution itself."""
     (taps,), (stride,), (pad,) = conv.kernel_size, conv.stride, conv.padding
     windows = F.pad(x, (pad, pad)).unfold(-1, taps, stride)  # [c, i, t, taps]
     columns = windows.transpose(1, 2).reshape(x.shape[0], windows.shape[2], -1)  # [c, t, i * taps], as the weight
@@ -163,52 +159,3 @@ class AudioTowerRunner:
     def __call__(self, input_features: Tensor, feature_attention_mask: Tensor) -> Tensor:
         features, chunk_frames, plan = self.prepare(input_features, feature_attention_mask)
         return self.core(features, chunk_frames)[: plan.audio_tokens]  # [na, do]
-
-
-class _CoreGraph:
-    """``core`` for one chunk count captured as a CUDA graph, with the static inputs it reads."""
-
-    def __init__(self, runner: AudioTowerRunner, chunks: int, pool: object) -> None:
-        device = runner.device
-        w = 2 * runner.n_window
-        self.features = torch.zeros(chunks, runner.num_mel_bins, w, device=device, dtype=runner.dtype)
-        self.chunk_frames = torch.full((chunks,), w, dtype=torch.long, device=device)
-        self.graph, self.out = capture_graph(  # out [p, do]
-            lambda: runner.core(self.features, self.chunk_frames), device, pool, warmups=2
-        )
-
-    def run(self, features: Tensor, chunk_frames: Tensor) -> Tensor:
-        self.features.copy_(features)
-        self.chunk_frames.copy_(chunk_frames)
-        self.graph.replay()
-        return self.out
-
-
-class AudioTowerGraphs:
-    """``AudioTowerRunner`` with ``core`` replayed from one CUDA graph per chunk count, captured on first use or
-    ahead by ``capture`` / ``capture_up_to``; all graphs share one memory pool. Off CUDA the core runs eager."""
-
-    def __init__(self, runner: AudioTowerRunner) -> None:
-        self.runner = runner
-        self.graphs: dict[int, _CoreGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
-
-    @torch.inference_mode()  # like every call: the static buffers are then written in the mode they were made in
-    def capture(self, chunks: int) -> None:
-        if self.pool is None or chunks in self.graphs:
-            return
-        self.graphs[chunks] = _CoreGraph(self.runner, chunks, self.pool)
-        logger.info("audio tower graphs: captured %d chunks (%d cached)", chunks, len(self.graphs))
-
-    def capture_up_to(self, max_chunks: int) -> None:
-        """Every chunk count 1..max_chunks (15 covers the feature extractor's 30 s at n_window 100)."""
-        for chunks in range(1, max_chunks + 1):
-            self.capture(chunks)
-
-    @torch.inference_mode()
-    def __call__(self, input_features: Tensor, feature_attention_mask: Tensor) -> Tensor:
-        features, chunk_frames, plan = self.runner.prepare(input_features, feature_attention_mask)
-        if self.pool is None:
-            return self.runner.core(features, chunk_frames)[: plan.audio_tokens]  # [na, do]
-        self.capture(plan.chunks)
-        return self.graphs[plan.chunks].run(features, chunk_frames)[: plan.audio_tokens].clone()  # [na, do]

@@ -11,128 +11,32 @@ folds the pair on the target device (see there) and ``AuKVAE.release_state_dict`
 
 Shapes: ``b`` batch, ``t`` waveform samples (24 kHz), ``n`` latent frames (50 Hz, 480 samples each),
 ``d`` latent channels (64), ``c`` conv channels.
+
+Fast paths: the modules are their plain torch form. Slots set by the pipeline's wiring change how they run, not
+what they compute: each ``AliasFreeActivation``'s polyphase function (``alias_free.use_fused_activations``), the
+narrow convolutions' and the upsamplers' kernels (:func:`use_conv_kernel`, :func:`use_upsample_kernel`), and the
+decoder's branch streams (``AuKVAE.branch_streams``).
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from auk_worker.errors import AudioError, CheckpointError, ConfigError, InputError
-from auk_worker.model.alias_free import AliasFreeActivation, activation_span
-from auk_worker.model.conv_kernel import causal_conv
+from auk_worker.errors import AudioError, InputError
 from auk_worker.model.streams import beside, join
-from auk_worker.model.upsample_kernel import causal_upsample
+from auk_worker.model.vae.alias_free import AliasFreeActivation
+from auk_worker.model.vae.config import ENCODER_WIDTH, RELEASE_CONTEXT, VAEConfig, decoder_context, plan_tiles
+from auk_worker.model.vae.kernels.narrow_conv import tap_major
 
-logger = logging.getLogger(__name__)
-
-SAMPLE_RATE = 24_000
-ENCODER_WIDTH = 12  # the encoder's first conv is built 12 wide whatever downsample_channels[0] says
-# Latent frames of (left, right) context the published tiling reserves per decoded frame. A safe bound: the
-# exact figure for the release geometry is (52, 7), see decoder_context.
-RELEASE_CONTEXT = (53, 9)
 TRAINING_ONLY_PREFIX = "flow."
-
-
-# ----------------------------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class VAEConfig:
-    """The release's ``model.vae`` section; defaults are the released values."""
-
-    latent_dim: int = 64
-    downsample_rate: int = 480
-    target_sample_rate: int = SAMPLE_RATE
-    upsample_rates: tuple[int, ...] = (5, 4, 3, 2, 2, 2)
-    upsample_kernel_sizes: tuple[int, ...] = (10, 8, 6, 4, 4, 4)
-    upsample_initial_channel: int = 1536
-    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
-    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    downsample_rates: tuple[int, ...] = (2, 2, 2, 3, 4, 5)
-    downsample_channels: tuple[int, ...] = (12, 24, 48, 96, 192, 384, 768)
-    snake_logscale: bool = True
-    use_vae: bool = True
-    causal: bool = True
-    flow_hidden_channels: int = 256  # training-only flow; kept for the round trip
-    act_causal: bool = True
-
-    def __post_init__(self) -> None:
-        self._check()
-
-    @classmethod
-    def from_release(cls, vae_section: dict[str, Any]) -> VAEConfig:
-        """Read the release config's ``model.vae`` mapping; missing model_init_kwargs take the released values."""
-        kwargs = dict(vae_section.get("model_init_kwargs") or {})
-        latent_dim = vae_section.get("latent_dim", cls.latent_dim)
-        inner = kwargs.pop("latent_dim", latent_dim)
-        # The YAML writes model_init_kwargs.latent_dim as "${model.vae.latent_dim}"; unresolved, it is that string.
-        if isinstance(inner, str) and inner.strip().startswith("${"):
-            inner = latent_dim
-        if inner != latent_dim:
-            raise CheckpointError(f"vae config: model_init_kwargs.latent_dim {inner!r} != latent_dim {latent_dim!r}")
-        known = {name for name in cls.__dataclass_fields__}
-        ignored = sorted(set(kwargs) - known)
-        if ignored:
-            logger.info("vae config: ignoring model_init_kwargs %s", ignored)
-        values = {key: _freeze(value) for key, value in kwargs.items() if key in known}
-        for key in ("downsample_rate", "target_sample_rate"):
-            if key in vae_section:
-                values[key] = vae_section[key]
-        try:
-            return cls(latent_dim=latent_dim, **values)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"vae config: {exc}") from exc
-
-    def to_release(self) -> dict[str, Any]:
-        """The ``model.vae`` mapping ``from_release`` reads (lists, not tuples, as YAML writes them)."""
-        kwargs = {key: _thaw(value) for key, value in asdict(self).items()}
-        section = {key: kwargs.pop(key) for key in ("downsample_rate", "target_sample_rate")}
-        return {
-            "latent_dim": self.latent_dim,
-            **section,
-            "vae_name": "BigVGANFlowVAE",
-            "model_init_kwargs": kwargs,
-        }
-
-    def _check(self) -> None:
-        def fail(field: str, why: str) -> None:
-            raise CheckpointError(f"vae config: {field} {getattr(self, field)!r}: {why}")
-
-        if self.target_sample_rate != SAMPLE_RATE:
-            fail("target_sample_rate", f"the model runs at {SAMPLE_RATE} Hz")
-        if math.prod(self.downsample_rates) != self.downsample_rate:
-            fail("downsample_rates", f"product must equal downsample_rate {self.downsample_rate}")
-        if math.prod(self.upsample_rates) != self.downsample_rate:
-            fail("upsample_rates", f"product must equal downsample_rate {self.downsample_rate}")
-        if len(self.downsample_channels) != len(self.downsample_rates) + 1:
-            fail("downsample_channels", "needs one entry more than downsample_rates")
-        if self.downsample_channels[0] != ENCODER_WIDTH:
-            fail("downsample_channels", f"the first entry must be {ENCODER_WIDTH} (the encoder's fixed first conv)")
-        if len(self.upsample_kernel_sizes) != len(self.upsample_rates):
-            fail("upsample_kernel_sizes", "needs one entry per upsample rate")
-        if self.causal and any(k != 2 * u for k, u in zip(self.upsample_kernel_sizes, self.upsample_rates)):
-            fail("upsample_kernel_sizes", "a causal upsampler needs kernel == 2 * rate")
-        if self.upsample_initial_channel % 2 ** len(self.upsample_rates):
-            fail("upsample_initial_channel", f"must halve {len(self.upsample_rates)} times")
-        if len(self.resblock_dilation_sizes) != len(self.resblock_kernel_sizes):
-            fail("resblock_dilation_sizes", "needs one dilation list per resblock kernel")
-        if not self.use_vae:
-            fail("use_vae", "the encoder head must emit a mean and a log-std")
-
-
-def _freeze(value: Any) -> Any:
-    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def _thaw(value: Any) -> Any:
-    return [_thaw(v) for v in value] if isinstance(value, (list, tuple)) else value
+# (x [b, c, reach + t], weight [kernel, out, in], bias, dilation, residual) -> [b, c, t]
+CausalConv = Callable[..., torch.Tensor]
+# (x [b, in, n], weight [in, out, 2 * stride], bias, stride) -> [b, out, n * stride]
+CausalUpsample = Callable[..., torch.Tensor]
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -145,7 +49,9 @@ class PaddedConv1d(nn.Conv1d):
         reach = dilation * (kernel - 1)
         super().__init__(cin, cout, kernel, dilation=dilation, padding=0 if causal else reach // 2, bias=bias)
         self.left_pad = reach if causal else 0
-        # The weight as ``conv_kernel.causal_conv`` reads it, where ``use_fast_convs`` hands this conv to that kernel.
+        # The kernel that runs ``forward_padded`` in place of torch's convolution, and the weight as it reads it
+        # (``use_conv_kernel``; None: torch's).
+        self.kernel: CausalConv | None = None
         self.fast_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, t] -> [b, cout, t]
@@ -156,8 +62,8 @@ class PaddedConv1d(nn.Conv1d):
     ) -> torch.Tensor:  # [b, cin, left_pad + t] -> [b, cout, t]
         """``forward`` of an input that already starts with its ``left_pad`` zeros (an activation wrote them),
         plus ``residual`` when given."""
-        if self.fast_weight is not None:
-            return causal_conv(x, self.fast_weight, self.bias, self.dilation[0], residual)
+        if self.kernel is not None:
+            return self.kernel(x, self.fast_weight, self.bias, self.dilation[0], residual)
         y = super().forward(x)
         return y if residual is None else residual + y
 
@@ -168,12 +74,13 @@ class UpsampleConv(nn.ConvTranspose1d):
     def __init__(self, cin: int, cout: int, kernel: int, stride: int, *, causal: bool):
         super().__init__(cin, cout, kernel, stride=stride, padding=0 if causal else (kernel - stride) // 2)
         self.trim = stride if causal else 0
-        # Computed as one product and an overlap-add kernel (``upsample_kernel``) where ``use_fast_upsamplers`` says.
-        self.fast = False
+        # The kernel that runs ``forward`` in place of torch's transposed convolution (``use_upsample_kernel``;
+        # None: torch's).
+        self.kernel: CausalUpsample | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, cin, n] -> [b, cout, n * stride]
-        if self.fast:
-            return causal_upsample(x, self.weight, self.bias, self.stride[0])
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.bias, self.stride[0])
         x = super().forward(x)
         return x[..., : x.shape[-1] - self.trim]
 
@@ -327,7 +234,7 @@ class AuKVAE(nn.Module):
         self.activation_post = AliasFreeActivation(width, config.snake_logscale, config.act_causal)
         self.conv_post = PaddedConv1d(width, 1, 7, causal=config.causal, bias=False)
         self.blocks_per_stage = len(config.resblock_kernel_sizes)
-        # CUDA streams for a stage's AMP blocks after the first, which then run beside it (DecodeGraphs sets them;
+        # CUDA streams for a stage's AMP blocks after the first, which then run beside it (the wiring sets them;
         # None: one after the other on the current stream).
         self.branch_streams: list[torch.cuda.Stream] | None = None
 
@@ -454,146 +361,33 @@ def is_filter_key(key: str) -> bool:
     return key.endswith(".upsample.filter") or key.endswith(".downsample.lowpass.filter")
 
 
-# ----------------------------------------------------------------------------------------------- tiling
+# ----------------------------------------------------------------------------------------------- kernel slots
 
 
-def decoder_context(config: VAEConfig) -> tuple[int, int]:
-    """Latent frames of (left, right) context a decoded frame reads, from the layer geometry alone.
-
-    Walks one output frame's sample span backwards through every layer (a residual block reads the union of
-    its input and its branch; a stage reads the union of its blocks), ignoring clip edges. Exact for the
-    structure, so it holds for any weights. Release geometry: 52 left, 7 right (the published 53 / 9 sums
-    per-layer reaches rounded outwards, a looser bound); the right side comes from ``conv_pre`` and the
-    centred upsamplers of the activations.
-    """
-    causal, act_causal = config.causal, config.act_causal
-    frame = 1_000  # any frame far from both edges
-    lo, hi = frame * config.downsample_rate, (frame + 1) * config.downsample_rate - 1
-    lo, hi = _conv_span(lo, hi, 7, 1, causal)  # conv_post
-    lo, hi = activation_span(lo, hi, act_causal)  # activation_post
-    stages = list(zip(config.upsample_rates, config.upsample_kernel_sizes))
-    for rate, kernel in reversed(stages):
-        spans = []
-        for size, dilations in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes):
-            block_lo, block_hi = lo, hi
-            for dilation in reversed(dilations):
-                branch = _conv_span(block_lo, block_hi, size, 1, causal)  # conv2
-                branch = activation_span(*branch, act_causal)  # act2
-                branch = _conv_span(*branch, size, dilation, causal)  # conv1
-                branch = activation_span(*branch, act_causal)  # act1
-                block_lo, block_hi = min(block_lo, branch[0]), max(block_hi, branch[1])
-            spans.append((block_lo, block_hi))
-        lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-        # Transposed conv: full output m (= u + padding) is fed by inputs i with rate*i <= m <= rate*i + kernel - 1.
-        padding = 0 if causal else (kernel - rate) // 2
-        lo, hi = -((kernel - 1 - lo - padding) // rate), (hi + padding) // rate
-    lo, hi = _conv_span(lo, hi, 7, 1, causal=False)  # conv_pre
-    return frame - lo, hi - frame
+def use_conv_kernel(model: nn.Module, kernel: CausalConv | None, max_width: int) -> int:
+    """Hand the causal, square, fp32 convolutions with a bias of ``model``'s AMP blocks, up to ``max_width``
+    channels, to ``kernel`` (None: every one back to torch's); returns how many the kernel runs."""
+    count = 0
+    for block in model.modules():
+        if isinstance(block, AMPBlock):
+            for conv in (*block.convs1, *block.convs2):
+                fits = kernel is not None and (conv.left_pad and conv.in_channels == conv.out_channels <= max_width
+                                               and conv.bias is not None and conv.weight.dtype == torch.float32)
+                conv.kernel = kernel if fits else None
+                conv.fast_weight = tap_major(conv.weight.detach()) if fits else None
+                count += bool(fits)
+    return count
 
 
-def _conv_span(lo: int, hi: int, kernel: int, dilation: int, causal: bool) -> tuple[int, int]:
-    """Input samples that outputs [lo, hi] of a length-keeping conv read."""
-    reach = dilation * (kernel - 1)
-    left = reach if causal else reach // 2
-    return lo - left, hi + reach - left
-
-
-def plan_tiles(
-    frames: int, tile: int, left: int = RELEASE_CONTEXT[0], right: int = RELEASE_CONTEXT[1],
-    sizes: tuple[int, ...] | None = None,
-) -> list[tuple[int, int, int, int]]:
-    """Decode windows ``(window_start, window_frames, emit_start, emit_end)`` covering ``frames`` latents.
-
-    Windows are ``tile`` frames wide and overlap so that every emitted frame has ``left`` frames of context
-    before it and ``right`` after it inside its window, unless that side is the clip's own edge. The last
-    window is pinned to the clip's end and shrinks to the smallest of ``sizes`` (compiled window lengths, at
-    most ``tile``) that still holds its frames plus the left context. A clip of at most ``tile`` frames is one
-    window. Example: 1000 frames, tile 512 -> (0,512,0,503), (450,512,503,953), (488,512,953,1000).
-    """
-    if frames <= tile:
-        return [(0, frames, 0, frames)]
-    if tile <= left + right:
-        raise ConfigError(f"vae tile_frames {tile} must exceed the decoder context {left} + {right}")
-    plan = []
-    start = emit = 0
-    while start + tile < frames:
-        stop = start + tile - right
-        plan.append((start, tile, emit, stop))
-        start, emit = stop - left, stop
-    fits = [size for size in sizes or () if left + frames - emit <= size <= tile]
-    width = min(fits, default=tile)
-    plan.append((frames - width, width, emit, frames))
-    return plan
-
-
-# ----------------------------------------------------------------------------------------------- loading
-
-
-def load_vae(
-    state: dict[str, torch.Tensor], config: VAEConfig, device: torch.device | str, dtype: torch.dtype = torch.float32
-) -> AuKVAE:
-    """Build the VAE from a release-layout state dict, strictly, with weight norm folded on ``device``.
-
-    Every key the module needs must be present and no other, except ``flow.*`` (skipped) and the low-pass
-    taps (checked when present, computed when absent). Each conv weight is folded as w = g * v / ||v||, the
-    norm over every axis but 0 (the input-channel axis of a transposed conv), in fp32 ON ``device``: a CPU
-    fold differs by an ULP and the encoder amplifies that to ~4e-4 at the latent head. ``dtype`` other than
-    fp32 casts afterwards and departs from upstream, which always runs the VAE in fp32.
-    """
-    device = torch.device(device)
-    with torch.device("meta"):
-        model = AuKVAE(config)
-    wanted = model.state_dict()  # meta tensors, except the low-pass taps (built on the CPU)
-    norm_keys = weight_norm_keys(model)
-
-    needed = []
-    for key in wanted:
-        if key in norm_keys:
-            needed += [key + "_g", key + "_v"]
-        elif not is_filter_key(key):
-            needed.append(key)
-    missing = [key for key in needed if key not in state]
-    if missing:
-        raise CheckpointError(f"vae weights: missing {len(missing)} tensors: {', '.join(missing[:8])}")
-    # flow.* is the residual coupling flow: it maps the posterior towards the prior for the training loss
-    # only; inference decodes posterior latents directly, so its tensors are not used.
-    known = set(needed) | {key for key in wanted if is_filter_key(key)}
-    unexpected = [key for key in state if key not in known and not key.startswith(TRAINING_ONLY_PREFIX)]
-    if unexpected:
-        raise CheckpointError(f"vae weights: unexpected tensors: {', '.join(sorted(unexpected)[:8])}")
-
-    loaded: dict[str, torch.Tensor] = {}
-    for key, like in wanted.items():
-        if key in norm_keys:
-            gain_shape = (like.shape[0],) + (1,) * (like.dim() - 1)
-            gain = _take(state, key + "_g", gain_shape, device)
-            direction = _take(state, key + "_v", tuple(like.shape), device)
-            loaded[key] = torch._weight_norm(direction, gain, 0)  # the kernel torch's weight_norm runs
-        elif is_filter_key(key):
-            loaded[key] = _filter_taps(state, key, like, device)
-        else:
-            loaded[key] = _take(state, key, tuple(like.shape), device)
-    model.load_state_dict(loaded, strict=True, assign=True)
-    model = model.to(dtype).eval().requires_grad_(False)
-    ignored = sum(key.startswith(TRAINING_ONLY_PREFIX) for key in state)
-    logger.info("vae: loaded %d tensors on %s (skipped %d training-only flow tensors)", len(needed), device, ignored)
-    return model
-
-
-def _take(state: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    tensor = state[key]
-    if tuple(tensor.shape) != shape:
-        raise CheckpointError(f"vae weights: {key} has shape {tuple(tensor.shape)}, the config needs {shape}")
-    return tensor.to(device=device, dtype=torch.float32)
-
-
-def _filter_taps(
-    state: dict[str, torch.Tensor], key: str, computed: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """The stored taps when present (after checking they are the computed filter), else the computed ones."""
-    if key not in state:
-        return computed.to(device)
-    stored = _take(state, key, tuple(computed.shape), torch.device("cpu"))
-    if not torch.allclose(stored, computed, rtol=0.0, atol=1e-6):
-        raise CheckpointError(f"vae weights: {key} is not the 12-tap Kaiser low-pass this model computes")
-    return stored.to(device)
+def use_upsample_kernel(model: nn.Module, kernel: CausalUpsample | None) -> int:
+    """Hand ``model``'s causal fp32 upsamplers to ``kernel`` (None: every one back to torch's); returns how many
+    the kernel runs."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, UpsampleConv):
+            stride = module.stride[0]
+            fits = kernel is not None and (module.trim == stride and module.kernel_size[0] == 2 * stride
+                                           and module.bias is not None and module.weight.dtype == torch.float32)
+            module.kernel = kernel if fits else None
+            count += fits
+    return count

@@ -1,12 +1,12 @@
 """The anti-aliased activation as a CUDA C++ kernel compiled at run time with NVRTC: the decoder's fastest form.
 
-It computes what ``alias_free_kernel`` computes (that module's docstring states the sums), in the same order with
-the same roundings, so the two give the same bits (``tests/test_gpu.py``). What differs is how a block shares
-its data. The Triton kernel reads the upsampler's and the decimator's shifted windows with one global load per
-tap and sample, through a scratch row in the caches: about 360 instructions an output, most of them loads and
-their address arithmetic, so it runs at about a sixth of the H200's memory bandwidth. Triton has no shifted view of
-a tensor in registers or shared memory (Gluon's shared-memory slices must be aligned to their length), so this
-kernel is written in CUDA C++. A block of ``THREADS`` threads takes ``OUT`` outputs of one row:
+It computes what the Triton kernel (``triton_activation``, whose docstring states the sums) computes, in the
+same order with the same roundings, so the two give the same bits (``tests/test_gpu.py``). What differs is how a
+block shares its data. The Triton kernel reads the upsampler's and the decimator's shifted windows with one global
+load per tap and sample, through a scratch row in the caches: most of its instructions are loads and their
+address arithmetic, so it runs far below the memory bandwidth. Triton has no shifted view of a tensor in
+registers or shared memory (Gluon's shared-memory slices must be aligned to their length), so this kernel is
+written in CUDA C++. A block of ``THREADS`` threads takes ``OUT`` outputs of one row:
 
 1. the window of ``x`` those outputs read, ``OUT + 12`` samples clamped into the row (the upsampler's replicate
    padding), into shared memory with coalesced loads;
@@ -17,13 +17,12 @@ kernel is written in CUDA C++. A block of ``THREADS`` threads takes ``OUT`` outp
 4. each thread ``PER_THREAD`` consecutive outputs from register windows of both phases, staged through shared
    memory so that the stores are coalesced.
 
-Replayed from graphs on an H200, microseconds a call against the Triton kernel: 42.7 against 60.0 at 24 x 288,000
-samples, 16.9 against 24.4 at 768 x 3,000; a 600-frame decode 16.7 against 18.8 ms (bench/RESULTS.md). With fewer
-blocks than the GPU has multiprocessors the Triton kernel's smaller blocks are faster, and it runs those calls.
+It is the faster of the two (bench/RESULTS.md), except with fewer blocks than the GPU has multiprocessors, where
+the Triton kernel's smaller blocks are faster: it runs those calls.
 
 The kernel is built with ``torch.cuda._compile_kernel`` (torch's NVRTC wrapper, a private function) once per
-device and decimator padding. Where that function is missing or NVRTC fails, ``use_fast_activations`` keeps the
-Triton kernel; an input this kernel does not take (not fp32, more rows than a grid's second axis holds) goes to
+device and decimator padding. Where that function is missing or NVRTC fails (``available``), the Triton kernel
+runs instead; an input this kernel does not take (not fp32, more rows than a grid's second axis holds) goes to
 the Triton kernel too.
 """
 
@@ -33,8 +32,8 @@ import logging
 
 import torch
 
-from auk_worker.model import alias_free_kernel
-from auk_worker.model.alias_free import RATIO, SNAKE_EPS, TAPS
+from auk_worker.model.vae.alias_free import RATIO, SNAKE_EPS, TAPS
+from auk_worker.model.vae.kernels import triton_activation
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +280,7 @@ def fused_activation(
             min_blocks = torch.cuda.get_device_properties(x.device).multi_processor_count
         suits = blocks >= min_blocks
     if not suits:
-        return alias_free_kernel.fused_activation(x, alpha, beta, up_taps, down_taps, logscale, down_pad, left_pad)
+        return triton_activation.fused_activation(x, alpha, beta, up_taps, down_taps, logscale, down_pad, left_pad)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = x.new_empty((b, c, left_pad + t))

@@ -1,23 +1,19 @@
-"""The GPU fast path: DiT steps replayed from per-shape CUDA graphs, VAE decodes replayed from per-length graphs.
+"""Stage 1's CUDA graph runners: DiT steps replayed from per-shape graphs, VAE decodes and reference encodes from
+per-length graphs.
 
 Nothing here changes what is computed; it changes how the kernels are launched:
 
 - ``StepGraphs`` captures one whole guided Euler step (DiT forward over the cond and uncond rows, the CFG
-  combine, the fp32 state update) as a CUDA graph per shape (rows, target, text, reference, which masks exist).
-  The time grid, the step index and the guidance scale live in device buffers that the graph reads, and the
-  step index advances inside the graph, so one graph serves every step and every schedule: a render copies its
-  context in once and replays the graph ``num_steps`` times. The adaLN modulation rows of the whole grid are
-  computed once per render (``ModulationTable``) and the graph reads its step's row. At most ``max_dit_graphs``
-  are kept; a full cache is retired whole before a new capture (the deploy config's rule).
-- The repeated blocks are compiled (regional ``torch.compile`` of each block phase) before capture when
-  ``compile_blocks`` is set, so the graph replays fused kernels. The double blocks' text stream runs on a second
-  CUDA stream beside the audio stream: at latency sizes neither stream fills the GPU alone.
-- ``EncoderGraphs`` replays the thinker's text model and the layer fusion at the deploy config's prompt sizes,
-  for one prompt and for a pass of several.
+  combine, the fp32 state update) as a CUDA graph per shape (rows, target, text, reference, which masks exist,
+  which kernels the context runs). The time grid, the step index and the guidance scale live in device buffers
+  that the graph reads, and the step index advances inside the graph, so one graph serves every step and every
+  schedule: a render copies its context in once and replays the graph ``num_steps`` times. The adaLN modulation
+  rows of the whole grid are computed once per render (``ModulationTable``) and the graph reads its step's row.
+  At most ``max_dit_graphs`` are kept; a full cache is retired whole before a new capture (the deploy config's
+  rule). The graphs replay whatever the DiT's slots hold when captured: its compiled blocks and its text stream
+  (set by the wiring).
 - ``DecodeGraphs`` replays the VAE decoder per latent length (LRU of ``auk_vae_max_graphs``); the configured
-  buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket. Each stage's
-  three AMP blocks run side by side on CUDA streams.
-- ``LogMelGraphs`` replays the prompt processor's log-mel features of a reference clip per whole second of it.
+  buckets are captured at start-up, and the pipeline tiles longer clips with the largest bucket.
 - ``EncodeGraphs`` replays the VAE encoder over reference clips zero-padded to whole seconds, exactly (the
   encoder cuts each conv output back to the clip's own length).
 
@@ -29,40 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from auk_worker.cuda_graph import capture_graph
-from auk_worker.model.dit import PLAIN_PHASES, AuKDiT, DiTContext
-from auk_worker.model.encoder import PromptProcessor, ThinkerEncoder
-from auk_worker.model.sampling import MAX_STEPS, cfg_combine
+from auk_worker.model.dit import AuKDiT, DiTContext
+from auk_worker.model.sampling import cfg_combine
 from auk_worker.model.vae import AuKVAE
+from auk_worker.pipeline.cuda_graph import capture_graph
+from auk_worker.rules import MAX_STEPS
 
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, int], None]
 MODULATION_STEPS = 64  # steps of adaLN rows held at once (about 48 MB in bf16 at release size)
-
-# cuBLAS handles without a workspace. With one, cuBLAS picks for some of the DiT's shapes (the single blocks'
-# feed-forward input at 12 s zero-shot, every block linear of a bulk pass) a persistent kernel that needs a zeroed
-# 4-byte counter: a memset node before each such product in the step graph, with about 9 µs of idle GPU around it,
-# 20 times a step at 12 s zero-shot. Without a workspace it runs the same tiles statically scheduled, no memset.
-# torch reads both variables once, at the process's first matrix product on a GPU.
-CUBLAS_WITHOUT_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
-
-
-def cublas_without_workspace() -> dict[str, str]:
-    """Ask for cuBLAS handles without a workspace where the environment does not say otherwise; returns the two
-    settings now in the environment. Call before the process's first matrix product on the GPU (``AuKPipeline``
-    does, as it is built): torch keeps the workspace size it read then."""
-    for name, value in CUBLAS_WITHOUT_WORKSPACE.items():
-        os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in CUBLAS_WITHOUT_WORKSPACE}
 
 
 def _leaves(obj: object) -> Iterator[Tensor | None]:
@@ -76,7 +54,8 @@ def _leaves(obj: object) -> Iterator[Tensor | None]:
 
 
 def _settings(obj: object) -> Iterator[object]:
-    """Every value of a nested dataclass that is not a tensor (flags such as a layout's kernel switches)."""
+    """Every value of a nested dataclass that is neither a tensor nor None (the cfg flag, the kernels a layout
+    runs, the target length)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
@@ -192,36 +171,15 @@ def _clone_ctx(ctx: DiTContext) -> DiTContext:
     return clone(ctx)  # type: ignore[return-value]
 
 
-# Compilations a block phase may hold. Dynamo compiles a phase again for each layout the graph path meets: padded
-# audio, text or keys present or not, one row or several, the precision's module types. These multiply past
-# dynamo's default of 8, and with ``fullgraph`` the ninth raises inside a job instead of falling back.
-BLOCK_COMPILATIONS = 64
-
-
-def compile_dit_blocks(dit: AuKDiT, dynamic: bool = True, backend: str = "inductor") -> None:
-    """Regional ``torch.compile`` of the repeated blocks: each block phase (``BlockPhases``) is compiled once and
-    serves every block. Dynamic shapes: one compilation serves every sequence length, so a new shape costs a
-    capture, not a recompile."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, BLOCK_COMPILATIONS)
-    dit.phases = PLAIN_PHASES.compiled(fullgraph=True, dynamic=dynamic, backend=backend)
-
-
 class StepGraphs:
     """Per-shape CUDA graphs of a guided Euler step, at most ``max_graphs`` at a time."""
 
-    def __init__(
-        self, dit: AuKDiT, max_graphs: int, compile_blocks: bool = True, dynamic: bool = True, text_stream: bool = True
-    ) -> None:
+    def __init__(self, dit: AuKDiT, max_graphs: int) -> None:
         self.dit = dit
-        # The double blocks' text stream beside the audio stream, in every captured step.
-        dit.text_stream = torch.cuda.Stream(dit.device) if text_stream else None
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _StepGraph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
         self.table = ModulationTable(dit, MODULATION_STEPS)
-        if compile_blocks:
-            compile_dit_blocks(dit, dynamic=dynamic)
 
     def sample(
         self, ctx: DiTContext, x0: Tensor, grid: Tensor, guidance_scale: float, on_step: StepCallback | None = None
@@ -249,12 +207,9 @@ def _describe(ctx: DiTContext, x0: Tensor) -> str:
 class DecodeGraphs:
     """VAE decodes replayed from one CUDA graph per latent length (LRU of ``max_graphs``)."""
 
-    def __init__(self, vae: AuKVAE, max_graphs: int, branch_streams: bool = True) -> None:
+    def __init__(self, vae: AuKVAE, max_graphs: int) -> None:
         self.vae = vae
         self.max_graphs = max_graphs
-        # A stage's AMP blocks side by side, in every captured decode.
-        device = vae.global_mean.device
-        vae.branch_streams = [torch.cuda.Stream(device) for _ in range(vae.blocks_per_stage - 1)] if branch_streams else None
         self.graphs: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -328,87 +283,3 @@ class EncodeGraphs:
             self.graphs[bucket] = (graph, static_wav, static_len, static_stats)
             log.info("vae encode graphs: captured %d samples (%d cached)", bucket, len(self.graphs))
         return self.graphs[bucket]
-
-
-class LogMelGraphs:
-    """The prompt processor's log-mel features replayed from one CUDA graph per bucket of padded clip length.
-
-    A clip goes into a zero buffer of whole ``bucket_samples`` (at most the feature extractor's window) and the
-    graph runs ``PromptProcessor.log_mel`` over all of it; the processor keeps the clip's frames, which equal
-    those of its own shorter padding (see there). ``capture_up_to`` takes every bucket of the clips the service
-    accepts at start-up (31 of a second each for 30 s).
-    """
-
-    def __init__(self, processor: PromptProcessor, device: torch.device, bucket_samples: int) -> None:
-        self.processor = processor
-        self.device = device
-        self.bucket_samples = bucket_samples
-        self.max_samples = processor.feature_extractor.n_samples
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def capture_up_to(self, clip_samples: int) -> None:
-        """Every bucket a clip of up to ``clip_samples`` samples can need (the processor pads it by n_fft)."""
-        padded = clip_samples + self.processor.feature_extractor.n_fft
-        for bucket in range(self.bucket_samples, padded + self.bucket_samples, self.bucket_samples):
-            self._graph(self._bucket(bucket))
-
-    def log_mel(self, audio: np.ndarray, padded: int) -> Tensor:
-        """``log_mel`` of ``audio`` zero-padded to at least ``padded`` samples: [m, >= padded / hop] (a copy)."""
-        graph, static_wave, static_out = self._graph(self._bucket(padded))
-        static_wave.zero_()
-        static_wave[: audio.size].copy_(torch.from_numpy(audio), non_blocking=True)
-        graph.replay()
-        return static_out.clone()
-
-    def _bucket(self, samples: int) -> int:
-        return min(self.max_samples, -(-samples // self.bucket_samples) * self.bucket_samples)
-
-    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
-        if bucket not in self.graphs:
-            static_wave = torch.zeros(bucket, device=self.device)
-            graph, static_out = capture_graph(lambda: self.processor.log_mel(static_wave), self.device, self.pool)
-            self.graphs[bucket] = (graph, static_wave, static_out)
-        return self.graphs[bucket]
-
-
-class EncoderGraphs:
-    """The thinker's text model and the layer fusion replayed from CUDA graphs at fixed prompt sizes.
-
-    A pass of ``nt`` tokens runs in the smallest capture size that holds it, right-padded with zero embeddings:
-    attention is causal, so padding after a prompt cannot reach its positions. A pass of several prompts runs in
-    the graphs of ``rows`` prompts (the encoder's ``max_rows``), its missing rows zero. Passes longer than the
-    largest size run eager (the deploy config's ``cudagraph_capture_sizes`` rule). The audio tower and the
-    embedding lookup stay eager: they run before, on each prompt's own length.
-    """
-
-    def __init__(self, encoder: ThinkerEncoder, sizes: tuple[int, ...]) -> None:
-        self.encoder = encoder
-        self.sizes = tuple(sorted(sizes))
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-
-    def capture_all(self) -> None:
-        for rows in sorted({1, self.encoder.max_rows}):
-            for size in self.sizes:
-                self._graph(rows, size)
-
-    def fuse(self, embeds: Tensor) -> Tensor | None:  # [b, nt, d] -> [b, nt, d] fp32, or None when too long
-        b, nt = embeds.shape[:2]
-        size = next((s for s in self.sizes if s >= nt), None)
-        if size is None or b > self.encoder.max_rows:
-            return None
-        graph, static_in, static_out = self._graph(1 if b == 1 else self.encoder.max_rows, size)
-        static_in.zero_()
-        static_in[:b, :nt].copy_(embeds)
-        graph.replay()
-        return static_out[:b, :nt].clone()
-
-    def _graph(self, rows: int, size: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
-        if (rows, size) not in self.graphs:
-            weight = self.encoder.trunk.model.embed_tokens.weight
-            static_in = torch.zeros(rows, size, weight.shape[1], device=weight.device, dtype=weight.dtype)
-            fuse = lambda: self.encoder.fuse(static_in)  # noqa: E731
-            graph, static_out = capture_graph(fuse, weight.device, self.pool, warmups=2)
-            self.graphs[rows, size] = (graph, static_in, static_out)
-        return self.graphs[rows, size]

@@ -1,13 +1,13 @@
 """The DiT's convolutional position embedding as one Triton kernel per convolution, Mish and the row mask fused.
 
 ``ConvPositionEmbedding`` runs two grouped convolutions over the embedded latents (31 taps, 16 groups, 'same'
-padding), each followed by Mish, with the padded positions zeroed around them; the target's embedding runs at
-every ODE step. cuDNN runs grouped convolutions group by group, far from their arithmetic cost, so on the GPU the
-torch form (``dit._grouped_conv_as_bmm``) builds an im2col copy, 31 times the input (57 MB for a 12 s target in
-bf16), and multiplies it in one batched product: about 0.2 ms of a 12 s zero-shot step on an H200 by an eager
-profile (eight element-wise kernels and two batched products). Here one program computes ``BLOCK_T`` positions of one group's output channels
-as a sum of matrix products, one per tap and block of ``CI_BLOCK`` input channels, reading the input straight from
-its [b, m, d] layout (the embedding linear's output: no transposes, no im2col):
+padding), each followed by Mish, with the padded positions zeroed around them; the target's embedding runs at every
+ODE step. cuDNN runs grouped convolutions group by group, far from their arithmetic cost, so on the GPU the torch
+form (``layers._grouped_conv_as_bmm``) builds an im2col copy, 31 times the input (57 MB for a 12 s target in bf16),
+and multiplies it in one batched product: eight element-wise kernels and two batched products. Here one program
+computes ``BLOCK_T`` positions of one group's output channels as a sum of matrix products, one per tap and block of
+``CI_BLOCK`` input channels, reading the input straight from its [b, m, d] layout (the embedding linear's output: no
+transposes, no im2col):
 
     y[t, o] = mish(bias[o] + sum_j sum_i w[o, i, j] * x[t + j - taps // 2, i])   (zero where ``keep`` is False)
 

@@ -1,11 +1,11 @@
 """The DiT's variable-length attention as one Triton kernel: each row's queries over only its first ``count`` keys.
 
-With ``dit.VisibleKeys`` the blocks put each row's visible keys first and attend over the first ``count[i]`` of
+With ``VisibleKeys`` the DiT's blocks put each row's visible keys first and attend over the first ``count[i]`` of
 them, on the [rows * m, h, dh] layout the projections already have. FlashAttention-2's variable-length kernel
-(``dit.flash_varlen_attention``) does this with the counts on the device, but on the H200 it is about 40 % slower
-than cuDNN's Hopper kernel without a mask (49 against 34 µs at 2 rows of 774; 163 against 115 µs at 16 of 556).
-This kernel has the same contract, reads the counts on the device too (no host sync, one captured graph for all
-counts), and leaves the matrix products to Triton, which emits Hopper's wgmma for them on sm90.
+(``flash_varlen_attention`` at the end of this file) does this with the counts on the device, but on Hopper it
+is well behind cuDNN's kernel without a mask (bench/RESULTS.md). This kernel has the same contract, reads the
+counts on the device too (no host sync, one captured graph for all counts), and leaves the matrix products to
+Triton, which emits Hopper's wgmma for them on sm90.
 
 A program takes ``BLOCK_M`` queries of one head of one row, loads them once, and walks that row's visible keys in
 blocks of ``BLOCK_N``: an online softmax (FlashAttention's) in fp32 with exp2, log2(e) folded into the scale. Only
@@ -33,8 +33,7 @@ except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
 # Launch settings: 64 queries by 64 keys a step over four warps (one warpgroup, wgmma's unit), three stages of key
-# and value loads in flight. The fastest or within 3 µs of it of ten settings swept on the H200 (bench.kernels'
-# attention stage) at 2 rows of 563, 774 and 1,081 positions and 16 rows of 556.
+# and value loads in flight: among the fastest of the settings bench.kernels' attention stage compares on the H200.
 BLOCK_M = 64
 BLOCK_N = 64
 WARPS = 4
@@ -107,7 +106,7 @@ if triton is not None:
         if MASK:
             dots = tl.where(visible[None, :], dots, float("-inf"))
         # The scale is positive, so the largest scaled score is the largest dot scaled; each weight's argument is
-        # then one fma (dot * scale - top) rather than a product and a difference: 11 % off a 12 s step's call.
+        # then one fma (dot * scale - top) rather than a product and a difference.
         new_top = tl.maximum(top, tl.max(dots, axis=1) * qk_scale)  # finite: every block has a visible key
         weights = tl.math.exp2(dots * qk_scale - new_top[:, None])
         rescale = tl.math.exp2(top - new_top)  # 0 at the first block (top = -inf)
@@ -186,7 +185,7 @@ def varlen_attention(
     first: int = 0, launch: Launch | None = None,
 ) -> Tensor:
     """Attention over rows packed as q, k, v [total, h, dh] (any strides with unit channel stride), as
-    ``dit.flash_varlen_attention``: row i is positions ``starts[i]:starts[i + 1]`` (``starts`` [rows + 1] int32,
+    ``flash_varlen_attention``: row i is positions ``starts[i]:starts[i + 1]`` (``starts`` [rows + 1] int32,
     at most m positions a row) and its queries attend to its first ``count[i]`` keys (``count`` [rows] int32, read
     on the device); zeros where count[i] is 0. Returns a new contiguous [total, h, dh] in q's dtype.
 
@@ -212,3 +211,26 @@ def varlen_attention(
     return _varlen_attention(
         q, k, v, starts, count, m, m if split is None else split, first, *(launch or launch_settings())
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashAttention's variable-length kernel, the same contract without ``split`` and ``first``
+
+
+def flash_available(device: torch.device, dtype: torch.dtype, dim_head: int) -> bool:
+    """Where FlashAttention's kernel runs: sm80 and later, half precision, head widths it compiles (multiples of 8
+    up to 256)."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and dim_head % 8 == 0
+        and dim_head <= 256
+    )
+
+
+def flash_varlen_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, count: Tensor, m: int) -> Tensor:
+    """FlashAttention over rows packed as [rows * m, h, dh]: row i's queries attend to its first ``count[i]``
+    keys. CUDA, fp16 or bf16 only (:func:`flash_available`)."""
+    out = torch.ops.aten._flash_attention_forward(q, k, v, starts, starts, m, m, 0.0, False, False, seqused_k=count)
+    return out[0]

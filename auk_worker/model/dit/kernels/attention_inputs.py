@@ -2,14 +2,13 @@
 from the qkv projection straight into the attention's input layout.
 
 Every DiT attention normalises each head of q and k (RMSNorm over the head width, learned weight) and rotates
-interleaved pairs (a, b) -> (a cos - b sin, b cos + a sin) by the rotary tables. Inductor fuses this into one
-kernel per block, but that kernel loads each element's rotary partner, and its weight, with predicated scalar
-loads; on the H200 it ran at about a quarter of the memory bandwidth (24 µs a call at 1,534 positions). Here a
-program takes ``BLOCK`` (position, head) rows of q, k and v, loads each row once, swaps the pairs in registers and
-writes [bc, seq, h, dh]. The double blocks' two streams (audio, then text) each write their part of the joint
-sequence, so no concatenation follows. Where the variable-length attention will read each row's keys visible
-first (``dit.VisibleKeys``), k and v are written in that order (``slot``: each key's place in it), so no gather
-follows either.
+interleaved pairs (a, b) -> (a cos - b sin, b cos + a sin) by the rotary tables. Inductor fuses this into one kernel
+per block, but that kernel loads each element's rotary partner, and its weight, with predicated scalar loads, far
+below the memory bandwidth the work could use. Here a program takes ``BLOCK`` (position, head) rows of q, k and v,
+loads each row once, swaps the pairs in registers and writes [bc, seq, h, dh]. The double blocks' two streams
+(audio, then text) each write their part of the joint sequence, so no concatenation follows. Where the
+variable-length attention will read each row's keys visible first (``VisibleKeys``), k and v are written in that
+order (``slot``: each key's place in it), so no gather follows either.
 
 Arithmetic as inductor's compile of the torch form (``Attention._project``): fp32 from the load on, the normed
 value not rounded before the rotation, one rounding to the output dtype at the end.

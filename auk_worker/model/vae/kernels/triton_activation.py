@@ -1,8 +1,8 @@
 """The whole anti-aliased activation as one Triton kernel: 2x upsample, SnakeBeta and decimation per output sample.
 
 ``polyphase_activation`` in ``alias_free.py`` states the computation; compiled by inductor it is three kernels
-that write and re-read the 2x-rate signal, at about a sixth of the H200's memory bandwidth (15.5 ms of a 27 ms,
-300-frame decode). Here each program computes a block of outputs of one channel row straight from the input:
+that write and re-read the 2x-rate signal, and most of a decode's time. Here each program computes a block of
+outputs of one channel row straight from the input:
 
     y[i] = sum_k down[k] * s(clamp(2i - left + k, 0, 2t - 1))           k = 0 ... 11, left = the decimator's pad
     s(m) = u + sin^2(alpha * u) / (beta + eps),  u = up(m)               the snake at oversampled sample m
@@ -13,12 +13,8 @@ oversampled samples of OUT + 5 input positions j (both phases). The program comp
 first once each, from shifted loads of ``x``, parks them in a scratch row of its own (global memory, so it stays in
 the L1/L2 caches), and after a barrier reads the twelve shifted windows the decimator's taps need: about two sines
 per output. Where the decimator's window runs off an end, the clamp gives the first or last oversampled sample,
-two scalars per row.
-
-Earlier forms cost more. The first recomputed each oversampled sample for the six outputs that read it, about 12
-sines per output. The next kept BLOCK outputs and computed the extra positions as a tensor of HALO of their own;
-a tensor narrower than the program's threads is computed by every thread, so those 8 positions cost half as many
-instructions as the block's 256 (the kernel is bound by instructions, not memory: bench/RESULTS.md).
+two scalars per row. The halo positions are part of the block's tensors, not a tensor of their own: one
+narrower than the program's threads would be computed by every thread, and the kernel is bound by instructions.
 
 The clamps and the edge scalars matter only where a block's reads reach past a row's ends: a block whose reads
 all fall inside its row (every block but a row's first and last one or two) runs without them, a constexpr copy
@@ -26,7 +22,7 @@ of the same code, with the same loads and sums in the same order.
 
 The kernel reads its input through the batch and channel strides, so a slice along time (the causal upsampler's
 trimmed output) is not copied first, and it writes the zeros the next causal convolution reads before each row's
-outputs (``left_pad``), which saves that convolution a padded copy: together 8 % of a 600-frame decode.
+outputs (``left_pad``), which saves that convolution a padded copy.
 
 Same taps, same order of the upsampler's sums; the decimator's sum runs in tap order. fp32 arithmetic whatever
 the input's dtype, with libdevice's sine on the GPU. Triton also runs it on the CPU under ``TRITON_INTERPRET=1``.
@@ -38,7 +34,7 @@ import os
 
 import torch
 
-from auk_worker.model.alias_free import RATIO, SNAKE_EPS, TAPS, compile_fused_activations, use_fused_activations
+from auk_worker.model.vae.alias_free import RATIO, SNAKE_EPS, TAPS
 
 try:
     import triton
@@ -198,20 +194,3 @@ def fused_activation(
         PAD_BLOCK=PAD_BLOCK, INTERIOR=interior,
     )
     return y
-
-
-def use_fast_activations(model: torch.nn.Module, device: torch.device) -> str:
-    """Switch ``model``'s anti-aliased activations to their fastest form on ``device``: on a CUDA device with
-    Triton the CUDA C++ kernel (``alias_free_cuda``, which hands this kernel the calls it does not take) where
-    NVRTC builds it, else this kernel; elsewhere one ``torch.compile`` of the polyphase form. Returns which, for
-    the log."""
-    if available(device):
-        from auk_worker.model import alias_free_cuda  # imports this module: its fallback
-
-        if alias_free_cuda.available(device):
-            use_fused_activations(model, True, alias_free_cuda.fused_activation)
-            return "CUDA kernel (calls of fewer blocks than multiprocessors on the Triton kernel)"
-        use_fused_activations(model, True, fused_activation)
-        return "triton kernel"
-    compile_fused_activations(model)
-    return "compiled polyphase"

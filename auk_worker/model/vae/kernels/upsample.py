@@ -7,8 +7,8 @@ sample q * s + r (r < s) then reads exactly two taps: tap r of input q and tap r
 
 So one product ``taps = w' @ x`` with w' the weight [in, out, 2s] read as [out * 2s, in] gives every tap of every
 input, [out, 2s, n], and a kernel adds the two that meet at each output and the bias (``_overlap_add_kernel``).
-cuDNN runs the widest of these (1,536 to 768 channels, stride 5) with its legacy transposed-conv engine: 459 µs
-at 600 frames on an H200, where the product and the add take about a quarter of that (bench/RESULTS.md).
+cuDNN runs the widest of these (1,536 to 768 channels, stride 5) with its legacy transposed-conv engine, several
+times slower than the product and the add (bench/RESULTS.md).
 The product follows cuDNN's TF32 setting, as the convolution it replaces did.
 """
 
@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 try:
     import triton
@@ -79,26 +78,3 @@ def causal_upsample(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, s
         phases = triton.next_power_of_2(stride)
         _overlap_add_kernel[grid](taps, bias, y, n, stride, cout, BLOCK_Q=BLOCK_Q, PHASES=phases)
     return y
-
-
-def use_fast_upsamplers(model: nn.Module, device: torch.device) -> int:
-    """Run ``model``'s causal fp32 upsamplers through ``causal_upsample`` where the kernel can run on ``device``;
-    returns how many (none off CUDA or without Triton)."""
-    return hand_upsamplers_to_kernel(model) if available(device) else 0
-
-
-def hand_upsamplers_to_kernel(model: nn.Module, enabled: bool = True) -> int:
-    """``use_fast_upsamplers`` whatever the device (tests run the kernel in Triton's interpreter); ``enabled``
-    False hands every upsampler back to torch. Returns how many the kernel runs."""
-    from auk_worker.model.vae import (
-        UpsampleConv,  # vae imports this module; the import here avoids the cycle
-    )
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, UpsampleConv):
-            stride = module.stride[0]
-            module.fast = enabled and (module.trim == stride and module.kernel_size[0] == 2 * stride
-                                       and module.bias is not None and module.weight.dtype == torch.float32)
-            count += module.fast
-    return count

@@ -1,11 +1,10 @@
 """The DiT's adaptive layer norms as one Triton kernel each, with the gated residual before them.
 
-Every block normalises its stream twice and modulates the result by its time-dependent rows:
-``LN(x) * (1 + scale) + shift`` (layer norm without affine weights). Before the second norm it adds the attention's
-output through its gate, ``x + gate * y``, with y zeroed at padded positions (``keep``). Inductor fuses each of
-these into one kernel too, but slower: in a compiled 6 s zero-shot step on the H200 its norm kernels took about
-0.74 ms and these take 0.61 ms (bench/RESULTS.md). A program takes ``ROWS`` positions, loads each of them once, and
-writes the modulated norm (and the new residual stream) once.
+Every block normalises its stream twice and modulates the result by its time-dependent rows: ``LN(x) * (1 + scale) +
+shift`` (layer norm without affine weights). Before the second norm it adds the attention's output through its gate,
+``x + gate * y``, with y zeroed at padded positions (``keep``). Inductor fuses each of these into one kernel too,
+but a slower one (bench/RESULTS.md). A program takes ``ROWS`` positions, loads each of them once, and writes the
+modulated norm (and the new residual stream) once.
 
 Arithmetic: fp32 from the load on, one rounding to the output dtype per output. The residual sum is rounded to the
 stream's dtype before it is normalised, as the stored stream is what the torch form normalises.
@@ -24,8 +23,7 @@ try:
 except ImportError:  # the CPU-only install: callers check ``available``
     triton = None
 
-# One position per program with two warps: the fastest of bench.kernels' sweep (1, 2 or 4 positions; 2, 4 or 8
-# warps) on the H200, at 1,534 and at 8,896 positions.
+# One position per program with two warps: the fastest launch settings of bench.kernels' norm stage on the H200.
 ROWS = 1
 WARPS = 2
 
