@@ -99,6 +99,9 @@ class DiTStage:
     stage_id: int = 1
     devices: str = "0"
     max_num_seqs: int = 1  # jobs rendered together in one DiT pass (bulk queue)
+    # 2: each guided step's conditional and unconditional halves on the two GPUs that ``devices`` names
+    # (pipeline/cfg_parallel.py); 1: one GPU. Base (guided) renders only.
+    cfg_parallel_size: int = 1
     gpu_memory_utilization: float = 0.35
     enforce_eager: bool = False
     model_config: DiTModelConfig = field(default_factory=DiTModelConfig)
@@ -190,6 +193,12 @@ def _check(config: DeployConfig) -> None:
             raise ConfigError(f"{where}.max_num_seqs: must be at least 1")
         if not all(part.strip().isdigit() for part in stage.devices.split(",")):
             raise ConfigError(f"{where}.devices: expected CUDA device indices like \"0\", got {stage.devices!r}")
+    if config.dit.cfg_parallel_size not in (1, 2):
+        raise ConfigError(f"stages[1].cfg_parallel_size: 1 or 2, got {config.dit.cfg_parallel_size}")
+    dit_devices = [part.strip() for part in config.dit.devices.split(",")]
+    if config.dit.cfg_parallel_size == 2 and (len(dit_devices) != 2 or dit_devices[0] == dit_devices[1]):
+        raise ConfigError(f"stages[1].devices: cfg_parallel_size 2 needs two distinct GPUs like \"0,1\", "
+                          f"got {config.dit.devices!r}")  # fmt: skip
     if config.encoder.devices == config.dit.devices:
         shared = config.encoder.gpu_memory_utilization + config.dit.gpu_memory_utilization
         if shared > 1.0:

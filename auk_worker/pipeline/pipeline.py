@@ -16,6 +16,7 @@ machinery (jobs, packing, a pass's Euler solve, tiled decoding) is in ``render.p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,14 +27,16 @@ import torch
 
 from auk_worker import rules
 from auk_worker.audio import THINKER_SAMPLE_RATE, checked_clip, resample, resampled_length
-from auk_worker.checkpoint import Release, file_digest, load_strict, read_release, read_safetensors, split_dit_weights
+from auk_worker.checkpoint import Release, file_digest, read_release, read_safetensors
 from auk_worker.deploy import DeployConfig, load_deploy_config
-from auk_worker.errors import AuKError, InputError, ModelError
+from auk_worker.errors import AuKError, ConfigError, InputError, ModelError
 from auk_worker.model.dit import AuKDiT
+from auk_worker.model.dit.load import load_dit
 from auk_worker.model.sampling import FLASH_T_GRID, initial_noise, make_generator, time_grid
 from auk_worker.model.streams import beside
 from auk_worker.model.thinker import ThinkerEncoder
 from auk_worker.model.vae import AuKVAE, load_vae
+from auk_worker.pipeline.cfg_parallel import CfgPair, start_pair
 from auk_worker.pipeline.fastpaths import FastPaths, Precision, precision_dtype, resolve_device, resolve_precision
 from auk_worker.pipeline.render import (
     Job,
@@ -101,6 +104,7 @@ class AuKPipeline:
         self._resampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="auk-resample")
         encoder.max_rows = deploy.encoder.max_num_seqs  # prompts per thinker pass (render_batch)
         self.accelerated = wire(fast_paths, deploy, encoder, dit, vae, device)
+        self.cfg_pair: CfgPair | None = None  # the other device of a guided step (``cfg_parallel_size: 2``)
 
 
     @property
@@ -143,15 +147,7 @@ class AuKPipeline:
             torch.backends.cudnn.allow_tf32 = False
         started = time.perf_counter()
 
-        dit_state, fusion = split_dit_weights(read_safetensors(release.weights_path, device), str(release.weights_path))
-        with torch.device("meta"):
-            dit = AuKDiT(release.dit)
-        # Weights take the serving dtype one tensor at a time; the rotary frequencies always stay fp32.
-        dit_state = {k: v.float() if k == "rotary_embed.inv_freq" else v.to(model_dtype) for k, v in dit_state.items()}
-        load_strict(dit, dit_state, str(release.weights_path), prefix="transformer.")
-        dit.eval().requires_grad_(False)
-        del dit_state
-
+        dit, fusion = load_dit(release, device, model_dtype)
         vae = load_vae(read_safetensors(release.vae_path, device), release.vae, device)
         vae.eval().requires_grad_(False)
 
@@ -163,7 +159,14 @@ class AuKPipeline:
             "vae": file_digest(release.vae_path),
         }
         fast_paths = fast_paths or FastPaths.resolve(deploy, device, precision, release.dit.dim_head)
+        pair = None
+        if deploy.dit.cfg_parallel_size == 2:
+            if release.variant != "base":
+                raise ConfigError(f"cfg_parallel_size 2 needs guided (base) renders; {release.name} is {release.variant}")
+            fast_paths = dataclasses.replace(fast_paths, step_graphs=False)  # a pair's steps run eager
+            pair = start_pair(release.root, deploy, device, precision, qwen_path)
         pipe = cls(release, deploy, encoder, dit, vae, device, precision, hashes, fast_paths)
+        pipe.cfg_pair = pair
         pipe.startup["load"] = time.perf_counter() - started
         pipe.warm_up()
         log.info(
@@ -332,7 +335,8 @@ class AuKPipeline:
         started = self._mark()
         try:
             with torch.inference_mode(), oom_as_model_error(max(job.frames for job in group)):
-                latents = sample(self.dit, self.accelerated.step_graphs, group, schedule, self.device, on_step)
+                latents = sample(self.dit, self.accelerated.step_graphs, group, schedule, self.device, on_step,
+                                 self.cfg_pair)  # fmt: skip
         except ModelError as exc:
             return [exc for _ in group]
         dit = Span(started, self._mark(), share=1 / len(group))

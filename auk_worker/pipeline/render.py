@@ -20,6 +20,7 @@ from auk_worker.model.dit import AuKDiT
 from auk_worker.model.sampling import euler_sample, guided_velocity, needs_uncond
 from auk_worker.model.thinker import ThinkerEncoder
 from auk_worker.model.vae import AuKVAE, plan_tiles
+from auk_worker.pipeline.cfg_parallel import CfgPair
 from auk_worker.pipeline.graphs import StepGraphs
 from auk_worker.types import FRAME_RATE, HOP, RenderResult
 
@@ -155,10 +156,11 @@ def _encode_pass(encoder: ThinkerEncoder, jobs: list[Job], device: torch.device)
 
 def sample(
     dit: AuKDiT, step_graphs: StepGraphs | None, group: list[Job], schedule: Schedule, device: torch.device,
-    on_step: StepCallback | None,
+    on_step: StepCallback | None, pair: CfgPair | None = None,
 ) -> torch.Tensor:
     """One DiT pass over the group's rows, padded and masked to a common shape (on the graph path, to buckets):
-    the Euler solve of ``schedule`` from each job's noise. Returns the latents [b, n, l] fp32."""
+    the Euler solve of ``schedule`` from each job's noise. Returns the latents [b, n, l] fp32. With a CFG
+    ``pair``, a guided pass runs its unconditional half on the pair's other device (eager: no step graphs)."""
     dev = device
     rows = len(group)
     frames = [job.frames for job in group]
@@ -182,7 +184,7 @@ def sample(
             ref[row, : ref_lens[row]] = job.ref
     padded = rows > 1 or step_graphs is not None
     # The lengths stay on the host: prepare reads them there without a GPU sync.
-    ctx = dit.prepare(
+    inputs = dict(
         text=text,
         text_lens=torch.tensor(text_lens),
         ref=ref,
@@ -190,9 +192,11 @@ def sample(
         ref_valid_lens=torch.tensor([job.ref_valid for job in group]) if np_ else None,
         target_len=n,
         target_lens=torch.tensor(frames) if padded else None,
-        cfg=needs_uncond(schedule.guidance_scale),
     )
     grid = schedule.grid  # on the host
+    if pair is not None and needs_uncond(schedule.guidance_scale):
+        return pair.lead(dit, inputs, x0, grid, schedule.guidance_scale, on_step)
+    ctx = dit.prepare(**inputs, cfg=needs_uncond(schedule.guidance_scale))
     if step_graphs is not None:
         return step_graphs.sample(ctx, x0, grid, schedule.guidance_scale, on_step)
     velocity = guided_velocity(dit, ctx, schedule.guidance_scale)

@@ -108,23 +108,30 @@ def wire_vae_kernels(vae: AuKVAE, fast: FastPaths) -> str:
             f"{upsamplers} upsamplers as a product and an overlap-add")  # fmt: skip
 
 
+def wire_dit(fast: FastPaths, deploy: DeployConfig, dit: AuKDiT, device: torch.device) -> StepGraphs | None:
+    """Apply ``fast`` to the DiT alone (fp8 linears, kernel table, text stream, compiled blocks); returns its step
+    graph runner, or None when steps run eager. A CFG pair's follower wires its DiT with this too."""
+    if fast.fp8:
+        log.info("dit: %d block linears in fp8", use_fp8_block_linears(dit))
+    if fast.step_graphs:
+        log.info("cuBLAS: %s", cublas_without_workspace())
+    dit.kernels = dit_kernels(fast)
+    dit.text_stream = torch.cuda.Stream(device) if fast.text_stream else None  # beside the audio stream
+    step_graphs = StepGraphs(dit, deploy.dit.model_config.max_dit_graphs) if fast.step_graphs else None
+    if fast.compiled_blocks:
+        compile_dit_blocks(dit)
+    return step_graphs
+
+
 def wire(
     fast: FastPaths, deploy: DeployConfig, encoder: ThinkerEncoder, dit: AuKDiT, vae: AuKVAE, device: torch.device
 ) -> Accelerated:
     """Apply ``fast`` to the loaded modules (in place) and build the graph runners; the graphs are captured later,
     at warm-up or on first use."""
     log.info("fast paths: %s", ", ".join(fast.names_on) or "none (the plain torch path)")
-    if fast.fp8:
-        log.info("dit: %d block linears in fp8", use_fp8_block_linears(dit))
     encode_stream = torch.cuda.Stream(device) if fast.encode_stream else None
     model_config = deploy.dit.model_config
-    if fast.step_graphs:
-        log.info("cuBLAS: %s", cublas_without_workspace())
-    dit.kernels = dit_kernels(fast)
-    dit.text_stream = torch.cuda.Stream(device) if fast.text_stream else None  # beside the audio stream
-    step_graphs = StepGraphs(dit, model_config.max_dit_graphs) if fast.step_graphs else None
-    if fast.compiled_blocks:
-        compile_dit_blocks(dit)
+    step_graphs = wire_dit(fast, deploy, dit, device)
     log.info("vae: %s", wire_vae_kernels(vae, fast))
     encode_graphs = EncodeGraphs(vae, SAMPLE_RATE) if fast.encode_graphs else None
     branches = vae.blocks_per_stage - 1  # a stage's AMP blocks side by side, in every captured decode

@@ -27,6 +27,8 @@ Shapes:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -43,6 +45,8 @@ from auk_worker.model.dit.config import (
     VisibleKeys,
 )
 from auk_worker.model.dit.layers import AdaLayerNormFinal, AudioEmbedding, RotaryEmbedding, TimestepEmbedding
+
+Branch = Literal["both", "cond", "uncond"]  # which rows of a guided step a context holds
 
 
 def _all_or_none(mask: Tensor) -> Tensor | None:
@@ -146,6 +150,7 @@ class AuKDiT(nn.Module):
         target_lens: Tensor | None = None,
         *,
         cfg: bool,
+        branch: Branch = "both",
     ) -> DiTContext:
         """Compute the per-request context for a batch of ``b`` rows.
 
@@ -155,6 +160,8 @@ class AuKDiT(nn.Module):
         frame past floor(T/480) takes a position but is masked; None = all). ``target_len`` is the padded target
         length n, ``target_lens`` the valid frames per row (None = n). With ``cfg`` the rows are doubled into
         [cond..., uncond...]: uncond rows see zero projected text (same text mask) and a reference of zero latents.
+        ``branch`` "cond" or "uncond" (with ``cfg``) builds only that half, ``b`` rows equal to the doubled
+        context's rows of that branch: the two halves of a guided step computed on two devices.
 
         The lengths are read on the host: pass host tensors (as the pipeline does) and preparing never waits for
         the GPU. Positions count only the items a row holds, so a padded row gets the positions it would have
@@ -170,6 +177,11 @@ class AuKDiT(nn.Module):
         if ref is not None and (ref.ndim != 3 or ref.shape[0] != rows or ref.shape[-1] != config.latent_dim):
             raise InputError(f"ref must be [{rows}, np, {config.latent_dim}], got {tuple(ref.shape)}")
         np_ = 0 if ref is None else ref.shape[1]
+        if branch not in ("both", "cond", "uncond"):
+            raise InputError(f"branch must be both, cond or uncond, got {branch!r}")
+        if branch != "both" and not cfg:
+            raise InputError(f"branch {branch!r} is a half of a guided step: it needs cfg=True")
+        doubled = cfg and branch == "both"
 
         # The masks are built on the host from host lengths and moved once, so preparing never waits for the GPU.
         text_valid = torch.arange(nt) < _lengths("text_lens", text_lens, rows, nt, 1)[:, None]  # [b, nt]
@@ -189,13 +201,16 @@ class AuKDiT(nn.Module):
         ref_conv_mask = _to_device(_all_or_none(ref_valid), device)
         if np_ > 0:
             ref = ref.to(device=device, dtype=dtype)
-            ref_embed = self.audio_embed(ref, ref_conv_mask, kernels.position_conv)  # [b, np, d]
+            ref_embed = self.audio_embed(ref if branch != "uncond" else torch.zeros_like(ref), ref_conv_mask,
+                                         kernels.position_conv)  # [b, np, d]  # fmt: skip
 
         def branches(cond: Tensor, uncond: Tensor) -> Tensor:
-            return torch.cat((cond, uncond), dim=0) if cfg else cond
+            return torch.cat((cond, uncond), dim=0) if doubled else cond
 
-        c = branches(c, torch.zeros_like(c))  # uncond text is zeroed after txt_proj + txt_norm
-        if ref_embed is not None and cfg:  # embedded only for CFG's uncond rows
+        if branch == "uncond":
+            c = torch.zeros_like(c)  # uncond text is zeroed after txt_proj + txt_norm
+        c = branches(c, torch.zeros_like(c))
+        if ref_embed is not None and doubled:  # embedded only for CFG's uncond rows
             uncond = self.audio_embed(torch.zeros_like(ref), ref_conv_mask, kernels.position_conv)
             ref_embed = branches(ref_embed, uncond)
         text_valid, ref_present, ref_valid, target_present = (
@@ -234,7 +249,7 @@ class AuKDiT(nn.Module):
             gated_residual_norm=kernels.gated_residual_norm,
         )
         return DiTContext(
-            cfg=cfg,
+            cfg=doubled,
             text=c,
             ref=ref_embed,
             target_mask=_to_device(_all_or_none(target_valid), device),
