@@ -315,9 +315,7 @@ def test_worker_probes_read_this_pods_heartbeat(rendered, target: str) -> None:
     for deployment, container in containers(rendered[target], "worker"):
         worker_id = env_of(container)["AUK_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
         assert worker_id == "metadata.name"
-        # Today's worker names its heartbeat after --hostname; with AUK_WORKER_ID honoured both are the pod name.
-        args = container["args"]
-        assert args[args.index("--hostname") + 1] == "$(AUK_WORKER_ID)"
+        assert "--hostname" not in container.get("args", []) and "--worker-id" not in container.get("args", [])
         assert container["readinessProbe"]["exec"]["command"] == probe
         assert container["startupProbe"]["exec"]["command"] == probe
         assert container["livenessProbe"]["exec"]["command"] == [*probe, "--live"]
