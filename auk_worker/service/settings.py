@@ -149,6 +149,11 @@ class Settings:
     worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
+    # A job waits this long for storage (its clip, its upload) before it fails with ``storage_unavailable``; the
+    # tries in between back off exponentially from AUK_STORAGE_RETRY_BACKOFF to AUK_STORAGE_RETRY_BACKOFF_MAX.
+    storage_retry_deadline_s: float = 1800.0  # AUK_STORAGE_RETRY_DEADLINE
+    storage_retry_backoff_s: float = 1.0  # AUK_STORAGE_RETRY_BACKOFF
+    storage_retry_backoff_max_s: float = 30.0  # AUK_STORAGE_RETRY_BACKOFF_MAX
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -156,13 +161,11 @@ class Settings:
         bucket = _get(env, "AUK_S3_BUCKET") or "auk"
         checkpoint = _get(env, "AUK_CHECKPOINT")
         api_keys = tuple(k.strip() for k in (_get(env, "AUK_API_KEYS") or "").split(",") if k.strip())
-        backoff_raw = _get(env, "AUK_RETRY_BACKOFF")
-        try:
-            backoff = float(backoff_raw) if backoff_raw is not None else 1.0
-        except ValueError:
-            raise ConfigError(f"AUK_RETRY_BACKOFF must be a number of seconds, got {backoff_raw!r}") from None
-        if not backoff > 0:
-            raise ConfigError(f"AUK_RETRY_BACKOFF must be positive, got {backoff_raw!r}")
+        storage_backoff = _positive(env, "AUK_STORAGE_RETRY_BACKOFF", 1.0)
+        storage_backoff_max = _positive(env, "AUK_STORAGE_RETRY_BACKOFF_MAX", 30.0)
+        if storage_backoff > storage_backoff_max:
+            raise ConfigError(f"AUK_STORAGE_RETRY_BACKOFF ({storage_backoff:g} s) must not exceed "
+                              f"AUK_STORAGE_RETRY_BACKOFF_MAX ({storage_backoff_max:g} s)")  # fmt: skip
         return cls(
             redis_url=_url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), "redis://127.0.0.1:6379/0"),
             s3_endpoint=_url(env, "AUK_S3_ENDPOINT", ("http", "https"), None),
@@ -182,7 +185,7 @@ class Settings:
             max_kills=_int(env, "AUK_MAX_KILLS", 3, minimum=1),
             pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),
             retry_max=_int(env, "AUK_RETRY_MAX", 6, minimum=0),
-            retry_backoff_s=backoff,
+            retry_backoff_s=_positive(env, "AUK_RETRY_BACKOFF", 1.0),
             webhook_allow=_allow_list(env, "AUK_WEBHOOK_ALLOW"),
             webhook_threads=_int(env, "AUK_WEBHOOK_THREADS", 2, minimum=0),
             webhook_timeout_s=_positive(env, "AUK_WEBHOOK_TIMEOUT", 10.0),
@@ -194,6 +197,9 @@ class Settings:
             worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
             stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
             variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
+            storage_retry_deadline_s=_positive(env, "AUK_STORAGE_RETRY_DEADLINE", 1800.0),
+            storage_retry_backoff_s=storage_backoff,
+            storage_retry_backoff_max_s=storage_backoff_max,
         )
 
     def require_storage(self) -> None:

@@ -162,6 +162,10 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         raise ConfigError("AUK_CHECKPOINT (or --checkpoint) is required for a worker")
     worker_id = worker_id or settings.worker_id or default_worker_id(settings, deploy)
     instance = secrets.token_hex(4)
+    if settings.storage_retry_deadline_s >= settings.visibility_timeout:
+        log.warning("worker %s: AUK_STORAGE_RETRY_DEADLINE (%g s) is not below AUK_VISIBILITY_TIMEOUT (%d s): a job "
+                    "waiting that long for storage is handed to a second worker as well", worker_id,
+                    settings.storage_retry_deadline_s, settings.visibility_timeout)  # fmt: skip
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5,
                                   socket_timeout=30, health_check_interval=30)  # fmt: skip
     store = JobStore(client)
