@@ -18,8 +18,13 @@ Reliability settings, each for a reason:
   cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again soon after Redis returns.
 - A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
   there the jobs whose worker died, so they run again next rather than behind the whole queue.
+- Remote control and task events on: ``celery -A auk_worker.service.celery_app inspect ping`` is answered by an
+  idle worker (a solo worker renders in the process that answers, so not during a job), and Flower
+  (``celery -A auk_worker.service.celery_app flower``) sees workers, their heartbeats and every task from
+  ``task-sent`` (published by the API) to ``task-succeeded``.
 
-Building the app connects to nothing.
+Building the app connects to nothing. The module's ``app`` (what ``celery -A`` looks for) is built from the
+environment on first access.
 """
 
 from __future__ import annotations
@@ -68,8 +73,23 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         task_default_queue=queue_name(settings.variant or "base", "interactive"),
         worker_hijack_root_logger=False,
-        worker_send_task_events=False,
-        worker_enable_remote_control=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_enable_remote_control=True,
         enable_utc=True,
     )
     return app
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Celery:
+    """``app`` for ``celery -A auk_worker.service.celery_app`` (inspect, control, events, Flower): built from the
+    environment's ``AUK_*`` settings on first access, never at import."""
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = make_celery(Settings.from_env())
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

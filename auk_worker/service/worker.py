@@ -216,7 +216,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         loglevel=loglevel,
         without_gossip=True,
         without_mingle=True,
-        without_heartbeat=True,
+        without_heartbeat=False,  # worker-heartbeat events: Flower's "online" between jobs (health.py has ours)
         quiet=True,
     )
     try:
