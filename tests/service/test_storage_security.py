@@ -122,7 +122,7 @@ def test_no_port_or_socket_serves_or_takes_objects_unsigned(s3_server, storage, 
     if '"fid"' in upload:
         refused.append(f"weed upload without a certificate: {upload[:200]}")
     listing = weed(["shell", f"-master=127.0.0.1:{p['master']}", f"-filer=127.0.0.1:{p['filer']}"], tmp_path,
-                   f"fs.ls /buckets/{bucket}/{prefix}jobs\nexit\n")  # fmt: skip
+                   f"fs.ls /buckets/{bucket}/{prefix}jobs\nexit\n", timeout=8)  # fmt: skip
     if "small.wav" in listing:
         refused.append(f"weed shell listing without a certificate: {listing[:200]}")
 
