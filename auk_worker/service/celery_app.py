@@ -32,6 +32,7 @@ from __future__ import annotations
 from celery import Celery
 
 from auk_worker.service.broker import BrokerAMQP
+from auk_worker.service.redis_client import broker_pool_limit, broker_transport_options, broker_url
 from auk_worker.service.settings import Settings
 
 RENDER_TASK = "auk.render"
@@ -53,7 +54,7 @@ def restore_interval(visibility_timeout: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("auk", broker=settings.redis_url, amqp=BrokerAMQP, set_as_current=False)
+    app = Celery("auk", broker=broker_url(settings), amqp=BrokerAMQP, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -69,8 +70,10 @@ def make_celery(settings: Settings) -> Celery:
             # sweep is every 10 s x 10 calls); a third of the timeout, at most a minute, bounds the extra wait.
             "unacked_restore_interval": restore_interval(settings.visibility_timeout),
             "unacked_restore_throttle": 1,
+            **broker_transport_options(settings),  # Sentinel: the master's name
         },
         broker_connection_retry_on_startup=True,
+        broker_pool_limit=broker_pool_limit(settings),
         task_default_queue=queue_name(settings.variant or "base", "interactive"),
         worker_hijack_root_logger=False,
         worker_send_task_events=True,

