@@ -186,7 +186,7 @@ class Settings:
             redis_url=redis_url,
             redis_sentinel_master=_get(env, "AUK_REDIS_SENTINEL_MASTER") or "mymaster",
             redis_wait_replicas=_int(env, "AUK_REDIS_WAIT_REPLICAS", 1 if is_sentinel(redis_url) else 0, minimum=0),
-            redis_wait_timeout_s=_seconds(env, "AUK_REDIS_WAIT_TIMEOUT", 1.0),
+            redis_wait_timeout_s=_positive(env, "AUK_REDIS_WAIT_TIMEOUT", 1.0),
             s3_endpoint=_url(env, "AUK_S3_ENDPOINT", ("http", "https"), None),
             s3_region=_get(env, "AUK_S3_REGION") or "us-east-1",
             s3_access_key=_get(env, "AUK_S3_ACCESS_KEY"),
