@@ -16,6 +16,7 @@ from auk_worker.service.batches import BatchBook
 from auk_worker.service.celery_app import make_celery
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import Notifier, NotifyingJobStore
+from auk_worker.service.redis_client import ReplicationBarrier, redis_client
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage
 from auk_worker.service.uploads import UploadStore
@@ -40,14 +41,12 @@ class Services:
     webhooks: WebhookStore
     webhook_secrets: WebhookSecrets
     webhook_guard: UrlGuard
+    barrier: ReplicationBarrier  # run before a 202: the job's writes are on the current master and its replicas
 
 
 def build_services(settings: Settings) -> Services:
     """Every client over ``settings``; nothing connects until it is first used."""
-    client = redis.Redis.from_url(
-        settings.redis_url, decode_responses=True,
-        socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-    )  # fmt: skip
+    client = redis_client(settings, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     storage = Storage(settings)
     notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)
     store = NotifyingJobStore(client, notifier)
@@ -65,6 +64,7 @@ def build_services(settings: Settings) -> Services:
         webhooks=WebhookStore(client, policy=policy),
         webhook_secrets=WebhookSecrets(client),
         webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),
+        barrier=ReplicationBarrier.from_settings(client, settings),
     )
 
 

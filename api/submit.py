@@ -150,7 +150,14 @@ def require_worker_for(svc: Services, variants: set[str]) -> None:
 
 def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
     """Check, write and send one job: ``(record, True)``; or ``(the earlier job, False)`` when this key already made
-    one for this same request (a different request under a used key is refused)."""
+    one for this same request (a different request under a used key is refused). Either way the record is on the
+    current Redis master (and its replicas) before the caller hears of it."""
+    record, created = _submit_job(svc, owner, request, idempotency_key)
+    svc.barrier.wait(f"job {record.id}")
+    return record, created
+
+
+def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
     if idempotency_key is not None:
         existing = svc.store.by_idempotency_key(owner, idempotency_key)
         if existing is not None:
@@ -239,6 +246,7 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
                 for record in unsent:
                     svc.store.fail(record.id, InfraError.code, "the batch could not be enqueued: the broker refused")
             raise
+    svc.barrier.wait(f"batch {batch_id}")
     log.info("batch %s: %d jobs queued as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)
     return {"id": batch_id, "total": len(records)}
 

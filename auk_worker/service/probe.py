@@ -31,6 +31,7 @@ import redis
 
 from auk_worker.errors import ConfigError
 from auk_worker.service.health import SERVING_STATES, heartbeat_key, read_heartbeats
+from auk_worker.service.redis_client import redis_client
 from auk_worker.service.settings import Settings
 
 DEFAULT_MAX_AGE_S = 15.0
@@ -69,10 +70,9 @@ def own_worker_id(client: redis.Redis, host: str) -> str | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def probe(worker_id: str | None, redis_url: str, max_age_s: float, live: bool) -> Verdict:
+def probe(worker_id: str | None, settings: Settings, max_age_s: float, live: bool) -> Verdict:
     """The verdict on ``worker_id``'s heartbeat; without an id, on the one worker of this host (``own_worker_id``)."""
-    client = redis.Redis.from_url(redis_url, decode_responses=True, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                  socket_timeout=REDIS_TIMEOUT_S)  # fmt: skip
+    client = redis_client(settings, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
     try:
         if worker_id is None:
             worker_id = own_worker_id(client, socket.gethostname())
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     worker_id = args.worker_id or os.environ.get("AUK_WORKER_ID", "").strip() or None
     try:
-        redis_url = Settings.from_env().redis_url
+        settings = Settings.from_env()
     except ConfigError as exc:
         print(f"configuration error: {exc}")
         return 1
-    verdict = probe(worker_id, redis_url, args.max_age, args.live)
+    verdict = probe(worker_id, settings, args.max_age, args.live)
     print(verdict.reason)
     return 0 if verdict.ok else 1
 

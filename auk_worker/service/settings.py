@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from auk_worker.errors import ConfigError
+from auk_worker.service.redis_client import is_sentinel, parse_sentinel_url
 
 VARIANTS = ("base", "flash")
 # AUK_PIPELINE: ``auk`` loads AUK_CHECKPOINT; ``instant`` is the model-free fake of the queue-overhead benchmark and
@@ -82,6 +83,15 @@ def _url(env: Mapping[str, str], name: str, schemes: tuple[str, ...], default: s
     return raw
 
 
+def _redis_url(env: Mapping[str, str]) -> str:
+    """AUK_REDIS_URL: one server (redis, rediss, unix) or Sentinel (``sentinel://h1:26379;sentinel://h2:26379/0``)."""
+    raw = _get(env, "AUK_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    if is_sentinel(raw):
+        parse_sentinel_url(raw)
+        return raw
+    return _url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), raw)
+
+
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
     raw = _get(env, name) or default
     if raw is not None and raw not in choices:
@@ -115,7 +125,12 @@ def _prefix(raw: str | None) -> str:
 class Settings:
     """Everything the service reads from the environment (``AUK_*`` variables)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # AUK_REDIS_URL: one server, or sentinel://h1:p1;sentinel://h2:p2/db
+    redis_sentinel_master: str = "mymaster"  # AUK_REDIS_SENTINEL_MASTER: the master's name at the sentinels
+    # Acknowledged writes wait for this many replicas (at most AUK_REDIS_WAIT_TIMEOUT s; redis_client.py's
+    # ReplicationBarrier): AUK_REDIS_WAIT_REPLICAS, default 1 with Sentinel and 0 (no wait) with one server.
+    redis_wait_replicas: int = 0
+    redis_wait_timeout_s: float = 1.0  # AUK_REDIS_WAIT_TIMEOUT
     s3_endpoint: str | None = None
     s3_region: str = "us-east-1"
     s3_access_key: str | None = field(default=None, repr=False)
@@ -149,6 +164,11 @@ class Settings:
     worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
+    # A job waits this long for storage (its clip, its upload) before it fails with ``storage_unavailable``; the
+    # tries in between back off exponentially from AUK_STORAGE_RETRY_BACKOFF to AUK_STORAGE_RETRY_BACKOFF_MAX.
+    storage_retry_deadline_s: float = 1800.0  # AUK_STORAGE_RETRY_DEADLINE
+    storage_retry_backoff_s: float = 1.0  # AUK_STORAGE_RETRY_BACKOFF
+    storage_retry_backoff_max_s: float = 30.0  # AUK_STORAGE_RETRY_BACKOFF_MAX
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -156,15 +176,17 @@ class Settings:
         bucket = _get(env, "AUK_S3_BUCKET") or "auk"
         checkpoint = _get(env, "AUK_CHECKPOINT")
         api_keys = tuple(k.strip() for k in (_get(env, "AUK_API_KEYS") or "").split(",") if k.strip())
-        backoff_raw = _get(env, "AUK_RETRY_BACKOFF")
-        try:
-            backoff = float(backoff_raw) if backoff_raw is not None else 1.0
-        except ValueError:
-            raise ConfigError(f"AUK_RETRY_BACKOFF must be a number of seconds, got {backoff_raw!r}") from None
-        if not backoff > 0:
-            raise ConfigError(f"AUK_RETRY_BACKOFF must be positive, got {backoff_raw!r}")
+        storage_backoff = _positive(env, "AUK_STORAGE_RETRY_BACKOFF", 1.0)
+        storage_backoff_max = _positive(env, "AUK_STORAGE_RETRY_BACKOFF_MAX", 30.0)
+        if storage_backoff > storage_backoff_max:
+            raise ConfigError(f"AUK_STORAGE_RETRY_BACKOFF ({storage_backoff:g} s) must not exceed "
+                              f"AUK_STORAGE_RETRY_BACKOFF_MAX ({storage_backoff_max:g} s)")  # fmt: skip
+        redis_url = _redis_url(env)
         return cls(
-            redis_url=_url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), "redis://127.0.0.1:6379/0"),
+            redis_url=redis_url,
+            redis_sentinel_master=_get(env, "AUK_REDIS_SENTINEL_MASTER") or "mymaster",
+            redis_wait_replicas=_int(env, "AUK_REDIS_WAIT_REPLICAS", 1 if is_sentinel(redis_url) else 0, minimum=0),
+            redis_wait_timeout_s=_positive(env, "AUK_REDIS_WAIT_TIMEOUT", 1.0),
             s3_endpoint=_url(env, "AUK_S3_ENDPOINT", ("http", "https"), None),
             s3_region=_get(env, "AUK_S3_REGION") or "us-east-1",
             s3_access_key=_get(env, "AUK_S3_ACCESS_KEY"),
@@ -182,7 +204,7 @@ class Settings:
             max_kills=_int(env, "AUK_MAX_KILLS", 3, minimum=1),
             pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),
             retry_max=_int(env, "AUK_RETRY_MAX", 6, minimum=0),
-            retry_backoff_s=backoff,
+            retry_backoff_s=_positive(env, "AUK_RETRY_BACKOFF", 1.0),
             webhook_allow=_allow_list(env, "AUK_WEBHOOK_ALLOW"),
             webhook_threads=_int(env, "AUK_WEBHOOK_THREADS", 2, minimum=0),
             webhook_timeout_s=_positive(env, "AUK_WEBHOOK_TIMEOUT", 10.0),
@@ -194,6 +216,9 @@ class Settings:
             worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
             stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
             variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
+            storage_retry_deadline_s=_positive(env, "AUK_STORAGE_RETRY_DEADLINE", 1800.0),
+            storage_retry_backoff_s=storage_backoff,
+            storage_retry_backoff_max_s=storage_backoff_max,
         )
 
     def require_storage(self) -> None:

@@ -7,23 +7,33 @@ botocore or connection error leaves this module as ``InfraError`` with the cause
 
 Key layout under the settings' prefix: ``jobs/<job id>.wav``, ``uploads/<upload id>``,
 ``jobs/batch-<batch id>.manifest.jsonl`` (the manifest sits next to the WAVs).
+
+``StorageWait`` is how a worker lives through an outage: a storage call that fails with ``InfraError`` is tried
+again, in the worker and with what it already holds (a rendered WAV stays in memory; nothing is rendered again),
+after a capped exponential backoff with jitter, until storage has refused for ``AUK_STORAGE_RETRY_DEADLINE``
+seconds without a success in between; then ``StorageUnavailable`` fails the job.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from auk_worker.errors import InfraError, InputError
+from auk_worker.errors import InfraError, InputError, StorageUnavailable
 from auk_worker.service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound", "NoSuchBucket"}
+T = TypeVar("T")
 
 
 def _send_body_at_once(request: Any, **_: Any) -> None:
@@ -183,3 +193,67 @@ class Storage:
             log.warning("storage ping failed: %s", exc)
             return False
         return True
+
+
+class StorageWait:
+    """Retry storage calls through an outage, up to a deadline counted from the first refusal.
+
+    One instance serves one task (a job, or a group's jobs, whose uploads run on threads): a success anywhere
+    ends the outage it saw, so a group's jobs fail together once storage has been down for the deadline, rather
+    than one deadline after another.
+    """
+
+    def __init__(self, deadline_s: float, backoff_s: float, backoff_max_s: float,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+        self.deadline_s = deadline_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
+        self.sleep = sleep
+        self._down_since: float | None = None  # the first refusal since the last success
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StorageWait:
+        return cls(settings.storage_retry_deadline_s, settings.storage_retry_backoff_s,
+                   settings.storage_retry_backoff_max_s)  # fmt: skip
+
+    def call(self, what: str, fn: Callable[[], T], between: Callable[[], None] | None = None) -> T:
+        """``fn()``, tried again while it raises ``InfraError``; ``between()`` runs before each new try (it may
+        raise to stop waiting, e.g. when the job was canceled). Raises ``StorageUnavailable`` at the deadline."""
+        tries = 0
+        while True:
+            try:
+                result = fn()
+            except StorageUnavailable:
+                raise
+            except InfraError as exc:
+                tries += 1
+                self._wait_or_give_up(what, tries, exc)
+                if between is not None:
+                    between()
+                continue
+            with self._lock:
+                self._down_since = None
+            if tries:
+                log.info("storage: %s succeeded after %d refused tries", what, tries)
+            return result
+
+    def _wait_or_give_up(self, what: str, tries: int, exc: InfraError) -> None:
+        now = self.clock()
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = now
+            waited = now - self._down_since
+        if waited >= self.deadline_s:
+            raise StorageUnavailable(
+                f"storage was unreachable for {waited:.1f} s ({tries} tries to {what}), past "
+                f"AUK_STORAGE_RETRY_DEADLINE ({self.deadline_s:g} s); last error: {exc.message}"
+            ) from exc
+        # Capped exponential backoff with jitter (half to all of the step), never past the deadline: many workers
+        # meeting one outage do not retry in step, and the last try falls on the deadline.
+        step = min(self.backoff_max_s, self.backoff_s * 2 ** min(tries - 1, 32))
+        delay = min(step * random.uniform(0.5, 1.0), self.deadline_s - waited)
+        log.warning("waiting for storage to %s: try %d refused (%s); next try in %.1f s, %.0f s to the deadline",
+                    what, tries, exc.message, delay, self.deadline_s - waited)  # fmt: skip
+        self.sleep(delay)

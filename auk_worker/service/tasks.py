@@ -12,7 +12,10 @@ touched (as a smaller group). A job that was running when a worker died (``kills
 job that crashes the model cannot take its neighbours' attempts with it.
 
 - ``InputError`` (bad audio, a missing key, clip plus target over 30 s): failed at once, never retried.
-- ``InfraError`` (storage or Redis unreachable): the attempt lets go of the record (back to ``queued``) and Celery
+- Storage unreachable (its clip, its upload): the worker keeps what it holds (a rendered WAV stays in memory) and
+  tries storage again with backoff (``StorageWait``) while it heartbeats busy, so an outage renders nothing twice;
+  once storage has refused for ``AUK_STORAGE_RETRY_DEADLINE`` the job fails with ``storage_unavailable``.
+- ``InfraError`` otherwise (Redis unreachable): the attempt lets go of the record (back to ``queued``) and Celery
   retries with exponential backoff (``AUK_RETRY_BACKOFF`` * 2^n s, ``AUK_RETRY_MAX`` times), then the job fails
   with the cause.
 - CUDA out of memory: failed with ``out_of_memory``, the cache emptied, the worker goes on.
@@ -37,6 +40,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -47,15 +51,16 @@ from celery import Celery, Task
 
 from auk_worker import rules
 from auk_worker.audio import CheckedClip, decode_audio
-from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory
+from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory, StorageUnavailable
 from auk_worker.service.batches import write_results
 from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, result_key, upload_key
+from auk_worker.service.storage import Storage, StorageWait, result_key, upload_key
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.wav import write_wav
 
@@ -84,6 +89,7 @@ class RenderRuntime:
     store: JobStore
     storage: Storage
     heartbeat: Heartbeat | None = None
+    barrier: ReplicationBarrier | None = None  # a job starts only on the current Redis master (Sentinel)
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
 
@@ -99,16 +105,20 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     record = _begin(rt, job_id)
     if record is None or record.terminal:
         return record
-    request, render_request = _prepare(rt, record)
+    wait = StorageWait.from_settings(rt.settings)
+    request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
+                                        _cancel_check(rt, job_id))  # fmt: skip
     progress = _Progress(rt, [job_id])
     result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
-    return _store_result(rt, job_id, request, result)
+    return _store_result(rt, job_id, request, result, wait)
 
 
 def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     """Start the record: None for a delivery with nothing to do; a terminal record when the job crashed its
     workers too often (failed here); else the running record."""
     record = rt.store.start(job_id, rt.holder)
+    if rt.barrier is not None:
+        rt.barrier.wait(f"the start of job {job_id}")
     if record is None:
         _skip(rt, job_id)
         return None
@@ -172,17 +182,22 @@ class _Progress:
             raise Canceled(f"every job of the group was canceled by step {step} of {total}")
 
 
-def _store_result(rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult) -> JobRecord | None:
-    """Upload the WAV and record the success (and the batch manifest when this was the batch's last job)."""
+def _store_result(
+    rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait
+) -> JobRecord | None:
+    """Upload the WAV (through ``wait``: an outage is waited out with the WAV in hand) and record the success (and
+    the batch manifest when this was the batch's last job)."""
     key = result_key(rt.settings.s3_prefix, job_id)
-    rt.storage.put_wav(key, write_wav(result.waveform, result.sample_rate, request.output_format),
-                       _metadata(job_id, request, result, rt.pipeline.variant))  # fmt: skip
-    outcome = rt.store.finish(job_id, _result(rt, key, request, result), rt.holder)
+    data = write_wav(result.waveform, result.sample_rate, request.output_format)
+    metadata = _metadata(job_id, request, result, rt.pipeline.variant)
+    wait.call(f"upload {key}", lambda: rt.storage.put_wav(key, data, metadata), _cancel_check(rt, job_id))
+    outcome = _on_current_master(rt, f"the end of job {job_id}",
+                                 lambda: rt.store.finish(job_id, _result(rt, key, request, result), rt.holder))
     if outcome.record is None:
         current = rt.store.get(job_id)
         if current is not None and current.status == JobStatus.CANCELED:  # the object goes, the record stays
             log.info("job %s: canceled during upload; removing %s", job_id, key)
-            rt.storage.delete(key)
+            wait.call(f"remove {key}", lambda: rt.storage.delete(key))
         else:  # taken from this attempt: the key is the job's one WAV, which its current attempt writes too
             log.warning("job %s: no longer held by this worker (%s); its result is not recorded", job_id,
                         current.status.value if current else "no record")  # fmt: skip
@@ -217,12 +232,15 @@ def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
     phases = {"prepare": 0.0, "render": 0.0, "store": 0.0}  # seconds, logged as one line per group
     retry: dict[str, Exception] = {}
     members: list[_Member] = []
+    wait = StorageWait.from_settings(rt.settings)  # one outage clock for the whole group
     for job_id in job_ids:
         try:
             record = _begin(rt, job_id)
             if record is None or record.terminal:
                 continue
-            request, render_request = _prepare(rt, record)  # a bad or missing clip fails this job only
+            # A bad or missing clip fails this job only.
+            request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
+                                                _cancel_check(rt, job_id))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - recorded per job
             _settle_into(rt, job_id, exc, retry)
             continue
@@ -232,14 +250,16 @@ def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
     alone = [[m] for m in members if m.record.kills > 0]
     phases["prepare"] = time.perf_counter() - started
     for pass_members in ([together] if together else []) + alone:
-        retry.update(_render_members(rt, pass_members, phases))
+        retry.update(_render_members(rt, pass_members, phases, wait))
     log.info("group of %d: %s", len(job_ids), ", ".join(f"{name} {s * 1000:.1f} ms" for name, s in phases.items()))
     return retry
 
 
-def _render_members(rt: RenderRuntime, members: list[_Member], phases: dict[str, float]) -> dict[str, Exception]:
+def _render_members(
+    rt: RenderRuntime, members: list[_Member], phases: dict[str, float], wait: StorageWait
+) -> dict[str, Exception]:
     """One ``render_batch`` call over started jobs, then an upload and a record per job (their wall times added
-    to ``phases``)."""
+    to ``phases``; the uploads wait out a storage outage through ``wait``, each job's audio in hand)."""
     ids = [m.job_id for m in members]
     log.info("group of %d: rendering %s", len(members), ", ".join(ids))
     canceled: set[str] = set()
@@ -264,7 +284,7 @@ def _render_members(rt: RenderRuntime, members: list[_Member], phases: dict[str,
                 return None
             if isinstance(result, Exception):
                 raise result
-            _store_result(rt, job_id, member.request, result)
+            _store_result(rt, job_id, member.request, result, wait)
         except Exception as exc:  # noqa: BLE001 - recorded per job
             return exc
         return None
@@ -278,6 +298,37 @@ def _render_members(rt: RenderRuntime, members: list[_Member], phases: dict[str,
         if exc is not None:
             _settle_into(rt, member.job_id, exc, retry)
     return retry
+
+
+def _on_current_master(rt: RenderRuntime, what: str, write: Callable[[], Any]) -> Any:
+    """``write()``, then the replication barrier; when the write went to a Redis master that was failed over, once
+    more on the new one (the audio is stored: recording the job's end again beats rendering it again)."""
+    outcome = write()
+    if rt.barrier is None:
+        return outcome
+    try:
+        rt.barrier.wait(what)
+    except RedisFailedOver as exc:
+        log.warning("%s: %s; writing it again on the new master", what, exc)
+        outcome = write()
+        rt.barrier.wait(what)
+    return outcome
+
+
+def _cancel_check(rt: RenderRuntime, job_id: str) -> Any:
+    """Run between storage tries: stop waiting (``Canceled``) once the job's record says canceled. Redis being
+    unreachable too is no reason to drop what the worker holds, so it keeps waiting."""
+
+    def check() -> None:
+        try:
+            canceled = rt.store.is_canceled(job_id)
+        except redis.RedisError as exc:
+            log.warning("job %s: cancel not checked while waiting for storage (%s)", job_id, exc)
+            return
+        if canceled:
+            raise Canceled(f"job {job_id} was canceled while waiting for storage")
+
+    return check
 
 
 def _load_clip(rt: RenderRuntime, request: JobRequest) -> CheckedClip | None:
@@ -369,9 +420,12 @@ def _after_terminal(rt: RenderRuntime, job_id: str, record: JobRecord | None) ->
 
 def write_manifest(rt: RenderRuntime, batch_id: str) -> str:
     """The batch's results: its error file and manifest (JSONL: custom_id, job id, status, key or error), stored
-    next to the WAVs, and its webhook (``batches.write_results``). If storage refuses, the InfraError retries the
-    task; its delivery meets an ended job and writes them then."""
-    return write_results(rt.store, rt.storage, rt.settings.s3_prefix, batch_id)
+    next to the WAVs, and its webhook (``batches.write_results``). A storage outage is waited out (``StorageWait``)
+    until AUK_STORAGE_RETRY_DEADLINE; after that the InfraError retries the task, whose delivery meets an ended job
+    and writes them then."""
+    return StorageWait.from_settings(rt.settings).call(
+        f"the results of batch {batch_id}", lambda: write_results(rt.store, rt.storage, rt.settings.s3_prefix, batch_id)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- boundary
@@ -394,6 +448,10 @@ def _settle(rt: RenderRuntime, job_id: str, exc: BaseException) -> bool:
     if isinstance(exc, Canceled):
         log.info("job %s: %s", job_id, exc)
         _after_terminal(rt, job_id, None)
+    elif isinstance(exc, RedisFailedOver):  # delivered by a demoted master: the new one still holds the message
+        log.warning("job %s: %s; left to the new master's delivery", job_id, exc)
+    elif isinstance(exc, StorageUnavailable):  # waited for storage until the deadline: retrying cannot help now
+        _fail(rt, job_id, exc.code, exc.message)
     elif isinstance(exc, (InfraError, redis.ConnectionError, redis.TimeoutError)):
         return True
     elif isinstance(exc, OutOfMemory) or _is_cuda_oom(exc):

@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -507,6 +507,7 @@ def _first_bytes(response: httpx.Response, limit: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a dispatcher until SIGINT or SIGTERM; defaults from the ``AUK_*`` settings (``AUK_WEBHOOK_*``)."""
+    from auk_worker.service.redis_client import redis_client
     from auk_worker.service.settings import Settings
 
     settings = Settings.from_env()
@@ -520,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     url = args.redis_url
-    client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5)
+    client = redis_client(replace(settings, redis_url=url), socket_connect_timeout=2, socket_timeout=5)
     policy = RetryPolicy(base_s=settings.webhook_retry_base_s, cap_s=settings.webhook_retry_cap_s,
                          max_attempts=settings.webhook_max_attempts)
     dispatcher = WebhookDispatcher(WebhookStore(client, policy=policy), WebhookSecrets(client),

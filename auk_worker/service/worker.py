@@ -41,6 +41,7 @@ from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
 from auk_worker.service.recovery import Reaper, RecoveryStore
+from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier, redis_client
 from auk_worker.service.settings import VARIANTS, Settings, worker_id_or_none
 from auk_worker.service.storage import Storage
 from auk_worker.service.tasks import Pipeline, RenderRuntime, register
@@ -162,8 +163,11 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         raise ConfigError("AUK_CHECKPOINT (or --checkpoint) is required for a worker")
     worker_id = worker_id or settings.worker_id or default_worker_id(settings, deploy)
     instance = secrets.token_hex(4)
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True, socket_connect_timeout=5,
-                                  socket_timeout=30, health_check_interval=30)  # fmt: skip
+    if settings.storage_retry_deadline_s >= settings.visibility_timeout:
+        log.warning("worker %s: AUK_STORAGE_RETRY_DEADLINE (%g s) is not below AUK_VISIBILITY_TIMEOUT (%d s): a job "
+                    "waiting that long for storage is handed to a second worker as well", worker_id,
+                    settings.storage_retry_deadline_s, settings.visibility_timeout)  # fmt: skip
+    client = redis_client(settings, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
     store = JobStore(client)
     heartbeat = Heartbeat(client, worker_id, settings.variant or "?", instance=instance, watch_consumer=True,
                           stall_timeout_s=settings.stall_timeout, on_beat=_reaper(settings, store).run)  # fmt: skip
@@ -194,7 +198,9 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     app = make_celery(settings)
     app.steps["consumer"].add(consumer_watch(heartbeat))
     notifying = notifying_store(client, storage, settings.presign_seconds)  # ended jobs enqueue their webhooks
-    runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, holder=heartbeat.holder)
+    barrier = ReplicationBarrier.from_settings(client, settings) if settings.redis_wait_replicas else None
+    runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, barrier=barrier,
+                            holder=heartbeat.holder)  # fmt: skip
     register(app, runtime)
 
     def on_ready(**_: object) -> None:
@@ -203,6 +209,18 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.task_received.connect(_note_delivery(RecoveryStore(store), heartbeat.holder), weak=False)
+    if barrier is not None:
+
+        def before_ack(task_id: str | None = None, args: tuple | None = None, **_: object) -> None:
+            """A task's record transitions reach the replicas before its message is acknowledged: a failover
+            cannot then take back a job's end once the broker forgot the job."""
+            try:
+                barrier.wait(f"task {task_id} {list(args or ())}")
+            except (RedisFailedOver, redis.RedisError) as exc:  # the new master delivers the job again
+                log.warning("worker %s: task %s ended on a master that was failed over: %s", worker_id,
+                            task_id, exc)  # fmt: skip
+
+        signals.task_postrun.connect(before_ack, weak=False, dispatch_uid="auk-replication-barrier")
     worker = app.Worker(
         hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),
@@ -212,7 +230,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         loglevel=loglevel,
         without_gossip=True,
         without_mingle=True,
-        without_heartbeat=True,
+        without_heartbeat=False,  # worker-heartbeat events: Flower's "online" between jobs (health.py has ours)
         quiet=True,
     )
     try:
