@@ -46,9 +46,6 @@ READ_OUTSIDE_SETTINGS = {
     "AUK_LOG_LEVEL": "api/__main__.py",
     "AUK_WORKER_ID": "auk_worker/service/probe.py",
 }
-# Decided in the shared plan (the compile-cache root on workers) before the settings object reads it; until then
-# TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, set beside it, are what torch and Triton read.
-PLANNED = {"AUK_CACHE_DIR"}
 APP_DIR = PurePosixPath("/app")  # the image's WORKDIR: /app/config/*.yaml is the repository's config/
 
 
@@ -372,7 +369,7 @@ def test_every_budget_selects_a_deployment(rendered, target: str) -> None:
 def test_every_auk_variable_is_one_the_service_reads(rendered, target: str) -> None:
     for name, path in READ_OUTSIDE_SETTINGS.items():
         assert name in (REPO / path).read_text(), f"{name} is no longer read by {path}"
-    known = settings_names() | set(READ_OUTSIDE_SETTINGS) | PLANNED
+    known = settings_names() | set(READ_OUTSIDE_SETTINGS)
     docs = rendered[target]
     names: set[str] = set()
     for configmap in of_kind(docs, "ConfigMap"):

@@ -163,6 +163,7 @@ class Settings:
     link_seconds: int = 3600  # AUK_LINK_SECONDS
     worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
+    cache_dir: Path | None = None  # AUK_CACHE_DIR: torch's and Triton's compile caches, shared across starts
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
     # A job waits this long for storage (its clip, its upload) before it fails with ``storage_unavailable``; the
     # tries in between back off exponentially from AUK_STORAGE_RETRY_BACKOFF to AUK_STORAGE_RETRY_BACKOFF_MAX.
@@ -215,6 +216,7 @@ class Settings:
             link_seconds=_int(env, "AUK_LINK_SECONDS", 3600, minimum=1),
             worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
             stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
+            cache_dir=Path(cache_dir) if (cache_dir := _get(env, "AUK_CACHE_DIR")) else None,
             variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
             storage_retry_deadline_s=_positive(env, "AUK_STORAGE_RETRY_DEADLINE", 1800.0),
             storage_retry_backoff_s=storage_backoff,

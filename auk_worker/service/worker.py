@@ -35,6 +35,7 @@ import redis
 from celery import Celery, bootsteps, signals
 
 from auk_worker.errors import AuKError, ConfigError, InfraError
+from auk_worker.service.caches import use_compile_caches
 from auk_worker.service.celery_app import RENDER_TASK, make_celery, worker_queues
 from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
@@ -175,6 +176,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     heartbeat.start()
     log.info("worker %s: instance %s starting (pid %d)", worker_id, instance, os.getpid())
     try:
+        use_compile_caches(settings.cache_dir)  # before the pipeline imports torch
         pipeline = load_pipeline(settings, deploy)
         if settings.variant is not None and pipeline.variant != settings.variant:
             raise ConfigError(
