@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,7 @@ from auk_worker.pipeline.render import (
 from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs
 from auk_worker.pipeline.wiring import wire
 from auk_worker.rules import MAX_SEED, MAX_TOTAL_FRAMES, MAX_TOTAL_SECONDS
+from auk_worker.voice_cache import VoiceCache
 from auk_worker.types import (
     FRAME_RATE,
     HOP,
@@ -98,6 +100,8 @@ class AuKPipeline:
         self.model_hashes = model_hashes
         self.fast_paths = fast_paths
         self.startup: dict[str, float] = {"load": 0.0, "warm_up": 0.0}  # seconds
+        # Prepared reference clips by content key (auk_worker/voice_cache.py); set by the worker, None: off.
+        self.voice_cache: VoiceCache | None = None
         model_config = deploy.dit.model_config
         self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
         # Resamples a reference clip for the thinker while the render's own thread prepares the VAE's copy.
@@ -274,7 +278,10 @@ class AuKPipeline:
         rules.check_instruction(request.instruction)
         schedule = self.schedule(request)
         clip_24k = pending_16k = None
-        if request.audio is not None:
+        voice = self._cached_voice(request.audio)  # a clip prepared before (the voice cache), or None
+        if voice is not None:
+            clip_24k = voice.clip_24k
+        elif request.audio is not None:
             # The same rules as an uploaded file (length, finite samples), for clips handed over in memory; a clip
             # decode_audio made (a worker's job) was checked then.
             checked_clip(request.audio)
@@ -290,7 +297,9 @@ class AuKPipeline:
             # The reference encode goes first, on its own stream where there is one: the GPU runs it while the
             # host prepares the prompt, and beside the audio tower after that.
             ref, ref_valid, ref_ready = None, 0, None
-            if clip_24k is not None:
+            if voice is not None and voice.ref is not None and not request.vae_sample:
+                ref, ref_valid = voice.ref, voice.ref_valid  # the posterior mean, encoded by an earlier render
+            elif clip_24k is not None:
                 with beside(self.accelerated.encode_stream):
                     started = self._mark()
                     wav = torch.from_numpy(clip_24k).to(self.device, non_blocking=True)[None]  # [1, t]
@@ -315,8 +324,17 @@ class AuKPipeline:
                 clip = request.audio
                 samples_16k = resampled_length(len(clip.samples), clip.sample_rate, THINKER_SAMPLE_RATE)
             input_ids = self.encoder.processor.input_ids(request.instruction, samples_16k)
-            audio_16k = None if pending_16k is None else pending_16k.result()
-            embeds = self.encoder.embed(request.instruction, audio_16k, input_ids)  # [nt, dt]
+            if voice is not None:
+                embeds = self._embed_with_audio(input_ids, voice.audio_embeds)  # [nt, dt]
+            elif self.voice_cache is not None and request.audio is not None and request.audio.key is not None:
+                audio_16k = pending_16k.result()
+                audio_embeds = self._audio_embeds(request.instruction, audio_16k, input_ids)  # [na, dt]
+                embeds = self._embed_with_audio(input_ids, audio_embeds)
+                self.voice_cache.put(request.audio.key, "prepared", PreparedVoice(
+                    clip_24k, audio_16k, audio_embeds, None if request.vae_sample else ref, ref_valid))  # fmt: skip
+            else:
+                audio_16k = None if pending_16k is None else pending_16k.result()
+                embeds = self.encoder.embed(request.instruction, audio_16k, input_ids)  # [nt, dt]
             timings["encode"] = [Span(started, self._mark())]
         return Job(
             index=index,
@@ -328,6 +346,31 @@ class AuKPipeline:
             noise=noise[0],
             timings=timings,
         )
+
+    # ------------------------------------------------------------------ the voice cache
+
+    def _cached_voice(self, clip: AudioClip | None) -> PreparedVoice | None:
+        """What an earlier render prepared for this clip's content (``clip.key``), when a cache is attached."""
+        if clip is None or clip.key is None or self.voice_cache is None:
+            return None
+        return self.voice_cache.get(clip.key, "prepared")
+
+    def _audio_embeds(self, instruction: str, audio_16k: np.ndarray, input_ids: torch.Tensor) -> torch.Tensor:
+        """The audio tower's output for a clip [na, dt]: what ``ThinkerEncoder.embed`` computes for its audio."""
+        batch = self.encoder.processor(instruction, audio_16k, self.encoder.device, input_ids)
+        return self.encoder.trunk.embed_audio(batch["input_features"], batch["feature_attention_mask"])
+
+    def _embed_with_audio(self, input_ids: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """The prompt's embeddings [nt, dt] with ``audio`` [na, dt] at its audio placeholders: the same operations
+        as ``ThinkerTrunk.embed``, so a cached tower output gives the same bits as a fresh one."""
+        trunk = self.encoder.trunk
+        device = trunk.model.embed_tokens.weight.device
+        embeds = trunk.model.embed_tokens(input_ids.to(device, non_blocking=True))  # [1, nt, d]
+        slots = input_ids == trunk.audio_token_id  # [1, nt]
+        if int(slots.sum()) != audio.shape[0]:
+            raise ModelError(f"prompt has {int(slots.sum())} audio tokens, the cached voice has {audio.shape[0]}")
+        embeds = embeds.masked_scatter(slots.to(device, non_blocking=True).unsqueeze(-1), audio.to(embeds.dtype))
+        return embeds[0]
 
     def _render_group(self, group: list[Job], on_step: StepCallback | None) -> list[RenderResult | AuKError]:
         """One DiT pass over the group (padded and masked to a common shape), then decodes by length."""
@@ -376,3 +419,14 @@ def _apply_memory_fraction(deploy: DeployConfig, device: torch.device) -> None:
     if deploy.encoder.devices == deploy.dit.devices:
         fraction += deploy.encoder.gpu_memory_utilization
     torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)
+
+
+@dataclass(frozen=True)
+class PreparedVoice:
+    """What a reference clip costs before the DiT, kept in the voice cache under the clip's content key."""
+
+    clip_24k: np.ndarray  # [t24] float32, the VAE's copy
+    audio_16k: np.ndarray  # [t16] float32, the thinker's copy
+    audio_embeds: torch.Tensor  # [na, dt] the audio tower's output
+    ref: torch.Tensor | None  # [np, l] posterior-mean reference latents (None: first made with a sampled posterior)
+    ref_valid: int
