@@ -202,6 +202,25 @@ class Client:
                 return None
             raise
 
+    def list_batches(self, page_size: int = 20) -> Iterator[Batch]:
+        """The key's batches, newest first, fetched a page at a time."""
+        cursor: str | None = None
+        while True:
+            page = self.request("GET", "/v1/batches", params=_body(limit=page_size, cursor=cursor))
+            yield from (Batch.from_json(item) for item in page["data"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    def cancel_batch(self, batch_id: str) -> Batch:
+        """Cancel the batch's queued and running jobs (finished ones keep their results)."""
+        return Batch.from_json(self.request("POST", f"/v1/batches/{batch_id}/cancel"))
+
+    def batch_link(self, batch_id: str, expires_in: int | None = None) -> str:
+        """A signed link to the batch's listening page (``GET /batches/{id}``), valid ``expires_in`` seconds."""
+        body = self.request("GET", f"/v1/batches/{batch_id}/link", params=_body(expires_in=expires_in))
+        return str(self.http.base_url).rstrip("/") + body["path"]
+
     def batch_jobs(self, batch_id: str) -> list[Job]:
         return list(self.list_jobs(batch_id=batch_id))
 

@@ -80,8 +80,11 @@ class Job:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A stored batch file (the results manifest, or the error file of failed lines) and a presigned URL to it."""
+
     key: str
     url: str
+    lines: int | None = None  # the error file's line count
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,10 @@ class Batch:
     counts: dict[str, int]
     status: str  # running, finishing, done
     created_at: str | None = None
+    finished_at: str | None = None
+    canceled_at: str | None = None
     manifest: Manifest | None = None
+    error_file: Manifest | None = None  # JSONL of the failed lines, as OpenAI's Batch API gives one
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -105,7 +111,8 @@ class Batch:
         known = _known(cls, body)
         known.setdefault("counts", {})
         known.setdefault("status", "running")
-        known["manifest"] = Manifest(**body["manifest"]) if body.get("manifest") else None
+        for name in ("manifest", "error_file"):
+            known[name] = Manifest(**_known(Manifest, body[name])) if body.get(name) else None
         return cls(**known, raw=body)
 
 
