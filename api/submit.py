@@ -187,6 +187,7 @@ def enqueue_interactive(svc: Services, owner: str, request: JobRequest, clip: di
                         reply: bool = False) -> JobRecord:
     """Write and send one job whose clip is already resolved (the speech endpoint's path). ``reply``: the worker
     pushes the encoded audio to ``auk:reply:{id}`` before it stores it (``service/replies.py``)."""
+    require_worker_for(svc, {request.variant})
     prepared = record_request(request, clip)
     if reply:
         prepared["reply"] = True
