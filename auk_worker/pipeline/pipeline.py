@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +52,8 @@ from auk_worker.pipeline.render import (
     sample,
 )
 from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs
+from auk_worker.pipeline.voices import PIECE as VOICE_PIECE
+from auk_worker.pipeline.voices import PreparedVoice, audio_embeds, cached_voice, embed_with_audio
 from auk_worker.pipeline.wiring import wire
 from auk_worker.rules import MAX_SEED, MAX_TOTAL_FRAMES, MAX_TOTAL_SECONDS
 from auk_worker.voice_cache import VoiceCache
@@ -278,7 +279,7 @@ class AuKPipeline:
         rules.check_instruction(request.instruction)
         schedule = self.schedule(request)
         clip_24k = pending_16k = None
-        voice = self._cached_voice(request.audio)  # a clip prepared before (the voice cache), or None
+        voice = cached_voice(self.voice_cache, request.audio)  # a clip prepared before, or None
         if voice is not None:
             clip_24k = voice.clip_24k
         elif request.audio is not None:
@@ -325,13 +326,13 @@ class AuKPipeline:
                 samples_16k = resampled_length(len(clip.samples), clip.sample_rate, THINKER_SAMPLE_RATE)
             input_ids = self.encoder.processor.input_ids(request.instruction, samples_16k)
             if voice is not None:
-                embeds = self._embed_with_audio(input_ids, voice.audio_embeds)  # [nt, dt]
+                embeds = embed_with_audio(self.encoder, input_ids, voice.audio_embeds)  # [nt, dt]
             elif self.voice_cache is not None and request.audio is not None and request.audio.key is not None:
                 audio_16k = pending_16k.result()
-                audio_embeds = self._audio_embeds(request.instruction, audio_16k, input_ids)  # [na, dt]
-                embeds = self._embed_with_audio(input_ids, audio_embeds)
-                self.voice_cache.put(request.audio.key, "prepared", PreparedVoice(
-                    clip_24k, audio_16k, audio_embeds, None if request.vae_sample else ref, ref_valid))  # fmt: skip
+                tower = audio_embeds(self.encoder, request.instruction, audio_16k, input_ids)  # [na, dt]
+                embeds = embed_with_audio(self.encoder, input_ids, tower)
+                self.voice_cache.put(request.audio.key, VOICE_PIECE, PreparedVoice(
+                    clip_24k, audio_16k, tower, None if request.vae_sample else ref, ref_valid))  # fmt: skip
             else:
                 audio_16k = None if pending_16k is None else pending_16k.result()
                 embeds = self.encoder.embed(request.instruction, audio_16k, input_ids)  # [nt, dt]
@@ -346,31 +347,6 @@ class AuKPipeline:
             noise=noise[0],
             timings=timings,
         )
-
-    # ------------------------------------------------------------------ the voice cache
-
-    def _cached_voice(self, clip: AudioClip | None) -> PreparedVoice | None:
-        """What an earlier render prepared for this clip's content (``clip.key``), when a cache is attached."""
-        if clip is None or clip.key is None or self.voice_cache is None:
-            return None
-        return self.voice_cache.get(clip.key, "prepared")
-
-    def _audio_embeds(self, instruction: str, audio_16k: np.ndarray, input_ids: torch.Tensor) -> torch.Tensor:
-        """The audio tower's output for a clip [na, dt]: what ``ThinkerEncoder.embed`` computes for its audio."""
-        batch = self.encoder.processor(instruction, audio_16k, self.encoder.device, input_ids)
-        return self.encoder.trunk.embed_audio(batch["input_features"], batch["feature_attention_mask"])
-
-    def _embed_with_audio(self, input_ids: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """The prompt's embeddings [nt, dt] with ``audio`` [na, dt] at its audio placeholders: the same operations
-        as ``ThinkerTrunk.embed``, so a cached tower output gives the same bits as a fresh one."""
-        trunk = self.encoder.trunk
-        device = trunk.model.embed_tokens.weight.device
-        embeds = trunk.model.embed_tokens(input_ids.to(device, non_blocking=True))  # [1, nt, d]
-        slots = input_ids == trunk.audio_token_id  # [1, nt]
-        if int(slots.sum()) != audio.shape[0]:
-            raise ModelError(f"prompt has {int(slots.sum())} audio tokens, the cached voice has {audio.shape[0]}")
-        embeds = embeds.masked_scatter(slots.to(device, non_blocking=True).unsqueeze(-1), audio.to(embeds.dtype))
-        return embeds[0]
 
     def _render_group(self, group: list[Job], on_step: StepCallback | None) -> list[RenderResult | AuKError]:
         """One DiT pass over the group (padded and masked to a common shape), then decodes by length."""
@@ -420,13 +396,3 @@ def _apply_memory_fraction(deploy: DeployConfig, device: torch.device) -> None:
         fraction += deploy.encoder.gpu_memory_utilization
     torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)
 
-
-@dataclass(frozen=True)
-class PreparedVoice:
-    """What a reference clip costs before the DiT, kept in the voice cache under the clip's content key."""
-
-    clip_24k: np.ndarray  # [t24] float32, the VAE's copy
-    audio_16k: np.ndarray  # [t16] float32, the thinker's copy
-    audio_embeds: torch.Tensor  # [na, dt] the audio tower's output
-    ref: torch.Tensor | None  # [np, l] posterior-mean reference latents (None: first made with a sampled posterior)
-    ref_valid: int
