@@ -21,7 +21,7 @@ from api.auth import KeyRing
 from api.deps import build_services, start_dispatcher
 from api.errors import error_response, install_error_handlers, too_large
 from api.links import LinkSigner
-from api.routes import batch_manage, batch_page, batches, health, jobs, uploads, webhooks
+from api.routes import batch_manage, batch_page, batches, health, jobs, speech, uploads, voices, webhooks
 from auk_worker.errors import InfraError
 from auk_worker.service.settings import Settings
 
@@ -50,23 +50,27 @@ def create_app(settings: Settings) -> FastAPI:
             if dispatcher is not None:
                 dispatcher.close()
             built.redis.close()
+            await built.replies.close()
 
     app = FastAPI(
         title="AuK render service",
         version="0.1.0",
-        description="Enqueue AuK speech renders, follow their progress and fetch the WAVs.",
+        description="Enqueue AuK speech renders, follow their progress and fetch the audio; or render speech in one call.",
         lifespan=lifespan,
     )
     app.state.services = built
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    for routes in (uploads, jobs, batch_manage, batches, batch_page, webhooks, health):
+    for routes in (uploads, jobs, batch_manage, batches, batch_page, webhooks, speech, voices, health):
         app.include_router(routes.router)
 
     # (what, limit): the upload and the batch are checked again while read; this refuses early on the header.
     limits = {"/v1/uploads": ("the upload", settings.max_upload_bytes),
-              "/v1/batches": ("the batch", batches.MAX_BATCH_BYTES)}  # fmt: skip
+              "/v1/batches": ("the batch", batches.MAX_BATCH_BYTES),
+              "/v1/voices": ("the voice upload", settings.max_upload_bytes),
+              # a reference clip inline as base64: 4/3 of the upload limit
+              "/v1/audio/speech": ("the request body", JSON_BODY_LIMIT + settings.max_upload_bytes * 4 // 3)}  # fmt: skip
 
     @app.middleware("http")
     async def refuse_oversized_bodies(request: Request, call_next):

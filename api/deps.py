@@ -1,7 +1,8 @@
 """The API's clients, built once per app, and the FastAPI dependency that hands them to a route.
 
-Routes reach Redis only through the stores (``JobStore``, ``UploadStore``, ``BatchBook``, the webhook stores); the
-client itself is here for the readiness check's heartbeats and to be closed when the app stops.
+Routes reach Redis only through the stores (``JobStore``, ``UploadStore``, ``BatchBook``, the webhook stores,
+``VoiceStore``, ``ReplyWaiter``); the client itself is here for the readiness check's heartbeats and to be closed
+when the app stops.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from auk_worker.service.celery_app import make_celery
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import Notifier, NotifyingJobStore
 from auk_worker.service.redis_client import ReplicationBarrier, redis_client
+from auk_worker.service.replies import ReplyWaiter
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage
 from auk_worker.service.uploads import UploadStore
+from auk_worker.service.voices import VoiceStore
 from auk_worker.service.webhooks import RetryPolicy, WebhookDispatcher, WebhookSecrets, WebhookStore
 from auk_worker.urlguard import UrlGuard, UrlPolicy
 
@@ -42,6 +45,8 @@ class Services:
     webhook_secrets: WebhookSecrets
     webhook_guard: UrlGuard
     barrier: ReplicationBarrier  # run before a 202: the job's writes are on the current master and its replicas
+    voices: VoiceStore
+    replies: ReplyWaiter  # the speech endpoint's wait for its audio (binary, asyncio)
 
 
 def build_services(settings: Settings) -> Services:
@@ -65,6 +70,8 @@ def build_services(settings: Settings) -> Services:
         webhook_secrets=WebhookSecrets(client),
         webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),
         barrier=ReplicationBarrier.from_settings(client, settings),
+        voices=VoiceStore(client),
+        replies=ReplyWaiter.from_settings(settings),
     )
 
 

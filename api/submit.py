@@ -24,6 +24,7 @@ for any variant).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -64,6 +65,11 @@ class ClipResolver:
         Raises ``InputError`` for an upload that is not the caller's, a missing key or a file that does not decode,
         ``InfraError`` when storage does not answer.
         """
+        if request.voice is not None:
+            voice = self.svc.voices.get(request.voice, self.owner)
+            if voice is None:
+                raise InputError(f"voice: no voice {request.voice!r} for this API key", code="unknown_voice")
+            return voice.clip(self.svc.storage.bucket)
         audio = request.audio
         if audio is None:
             return None
@@ -73,7 +79,8 @@ class ClipResolver:
                 message = f"audio.upload_id: no upload {audio.upload_id!r} for this API key"
                 raise InputError(message, code="unknown_upload")
             return {"bucket": self.svc.storage.bucket, "key": upload.key, "duration_s": upload.duration_s,
-                    "sample_rate": upload.sample_rate, "samples": upload.samples}  # fmt: skip
+                    "sample_rate": upload.sample_rate, "samples": upload.samples,
+                    "sha256": upload.sha256 or None}  # fmt: skip
         key = audio.key
         if key in self._failed:
             raise self._failed[key].with_traceback(None)  # the same error, without a traceback grown per line
@@ -91,9 +98,10 @@ class ClipResolver:
         limit = self.svc.settings.max_upload_bytes
         if size > limit:
             raise InputError(f"audio.key {key!r} is {size} bytes; the limit is {limit}", code="too_large")
-        clip = decode_audio(self.svc.storage.get_bytes(bucket, key))
+        data = self.svc.storage.get_bytes(bucket, key)
+        clip = decode_audio(data)
         return {"bucket": bucket, "key": key, "duration_s": round(clip.duration_s, 6), "sample_rate": clip.sample_rate,
-                "samples": len(clip.samples)}  # fmt: skip
+                "samples": len(clip.samples), "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
     def _input_size(self, bucket: str, key: str) -> int:
         """HEAD the input object: its size, before anything is downloaded; a missing key is the caller's error."""
@@ -173,6 +181,21 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
     send_render(svc, record)
     log.info("job %s: queued on %s for owner %s", record.id, record.queue, owner)
     return record, True
+
+
+def enqueue_interactive(svc: Services, owner: str, request: JobRequest, clip: dict[str, Any] | None, *,
+                        reply: bool = False) -> JobRecord:
+    """Write and send one job whose clip is already resolved (the speech endpoint's path). ``reply``: the worker
+    pushes the encoded audio to ``auk:reply:{id}`` before it stores it (``service/replies.py``)."""
+    require_worker_for(svc, {request.variant})
+    prepared = record_request(request, clip)
+    if reply:
+        prepared["reply"] = True
+    record = JobRecord.new(owner, prepared, queue=queue_name(request.variant, "interactive"), custom_id=request.custom_id)
+    record, _ = svc.store.create(record)
+    send_render(svc, record)
+    log.info("job %s: queued on %s for owner %s (reply %s)", record.id, record.queue, owner, reply)
+    return record
 
 
 def _same_request(existing: JobRecord, request: JobRequest, idempotency_key: str | None) -> JobRecord:

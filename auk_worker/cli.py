@@ -1,6 +1,6 @@
 """The ``auk`` command: render locally, make the tiny checkpoint, download weights, run a worker, talk to the API.
 
-    auk render --checkpoint DIR --instruction TEXT [--audio FILE] [--gen-seconds S] --out FILE.wav
+    auk render --checkpoint DIR --instruction TEXT [--audio FILE] [--gen-seconds S] [--format flac] --out FILE
     auk make-tiny-checkpoint OUT [--variant base|flash]
     auk download DEST [--variant base|flash]
     auk worker ...            (Celery worker; see `auk worker --help`)
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress of loading and rendering")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    render = sub.add_parser("render", help="render one WAV on this machine")
+    render = sub.add_parser("render", help="render one clip on this machine")
     render.add_argument("--checkpoint", required=True, type=Path, help="release directory (config.yaml, weights)")
     render.add_argument("--instruction", required=True, help="what to do, e.g. a zero-shot or instruct TTS instruction")
     render.add_argument("--audio", help="optional clip: reference voice or source to edit")
@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--device", help="torch device (default: from the deploy config, CPU without CUDA)")
     render.add_argument("--qwen-path", type=Path, help="Qwen2.5-Omni-3B snapshot, if not where config.yaml says")
     render.add_argument("--deploy-config", type=Path, help="deploy config (default: config/auk.yaml)")
-    render.add_argument("--format", choices=("pcm16", "float32"), default="pcm16", help="WAV sample format")
-    render.add_argument("--out", required=True, type=Path, help="output WAV path")
+    render.add_argument("--format", default="wav",
+                        help="output format: wav, wav_float, flac, mp3, opus or pcm (default wav, 16-bit)")
+    render.add_argument("--out", required=True, type=Path, help="output file path")
     render.set_defaults(run=_render)
 
     tiny = sub.add_parser("make-tiny-checkpoint", help="write a tiny random checkpoint in the release layout")
@@ -93,9 +94,10 @@ def _render(args: argparse.Namespace) -> int:
     from auk_worker.audio import read_audio_file
     from auk_worker.deploy import load_deploy_config
     from auk_worker.pipeline import AuKPipeline
+    from auk_worker.formats import encode, get_format
     from auk_worker.types import RenderRequest
-    from auk_worker.wav import write_wav
 
+    spec = get_format(args.format)  # an unknown format is refused before the model loads
     deploy = load_deploy_config(args.deploy_config)
     request = RenderRequest(
         instruction=args.instruction,
@@ -120,7 +122,7 @@ def _render(args: argparse.Namespace) -> int:
     finally:
         for bar in bars:
             bar.close()
-    args.out.write_bytes(write_wav(result.waveform, result.sample_rate, args.format))
+    args.out.write_bytes(encode(result.waveform, spec, result.sample_rate))
     stages = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in result.timings.items())
     print(
         f"{args.out}: {result.duration_s:.2f} s at {result.sample_rate} Hz ({len(result.waveform)} samples), "

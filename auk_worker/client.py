@@ -1,10 +1,12 @@
 """The user CLI over the REST API: ``auk submit``, ``auk status``, ``auk wait`` and ``auk fetch``.
 
-Talks HTTP only (httpx): ``AUK_API_URL`` (default http://127.0.0.1:8000) and the bearer key ``AUK_API_KEY``.
+Built on the public client (``auk_client.Client``): ``AUK_API_URL`` (default http://127.0.0.1:8000) and the
+bearer key ``AUK_API_KEY``.
 ``auk_worker.cli`` hands these four commands to ``main_client(command, argv)``.
 
     auk submit --instruction "Say hello." --gen-seconds 3          # one job; prints its record
     auk submit --audio ref.wav --instruction "..."                  # uploads the clip first
+    auk submit --voice voice_... --instruction "..." --format flac  # a saved voice, FLAC out
     auk submit --batch jobs.jsonl                                   # one job per line, each with custom_id
     auk status ID          auk wait ID          auk fetch ID -o out/
 
@@ -26,12 +28,13 @@ from typing import Any
 
 import httpx
 
+from auk_client import ApiError, Client
+from auk_worker.formats import FORMATS
+
 log = logging.getLogger(__name__)
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "canceled")
-RESOURCE = {"job": "/v1/jobs", "batch": "/v1/batches"}
-PAGE = 200
 
 
 class ClientError(Exception):
@@ -39,55 +42,39 @@ class ClientError(Exception):
 
 
 class Api:
-    """A thin JSON client; every non-2xx answer becomes ``ClientError`` with the API's message."""
+    """The commands' view of the API: ``auk_client.Client`` plus the lookups the commands share. Every API error
+    becomes ``ClientError`` with the API's message (a batch's bad lines listed)."""
 
     def __init__(self, base_url: str, api_key: str, timeout: float = 60.0) -> None:
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout,
-                                 headers={"Authorization": f"Bearer {api_key}"})
+        self.client = Client(base_url, api_key, timeout=timeout)
 
     def close(self) -> None:
-        self.http.close()
+        self.client.close()
 
-    def request(self, method: str, path: str, *, missing_ok: bool = False, **kwargs: Any) -> dict | None:
+    def call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise ClientError(f"cannot reach the API at {self.http.base_url}: {exc}") from None
-        if missing_ok and response.status_code == 404:
-            return None
-        if response.is_error:
-            raise ClientError(_error_text(response))
-        return response.json()
+            return method(*args, **kwargs)
+        except ApiError as exc:
+            raise ClientError(_error_text(exc)) from None
 
     def job_or_batch(self, ident: str) -> tuple[str, dict]:
         """``("job", record)`` or ``("batch", record)`` for an id; ClientError when it is neither."""
-        for kind, path in RESOURCE.items():
-            record = self.request("GET", f"{path}/{ident}", missing_ok=True)
-            if record is not None:
-                return kind, record
+        for kind, find in (("job", self.client.find_job), ("batch", self.client.find_batch)):
+            found = self.call(find, ident)
+            if found is not None:
+                return kind, found.raw
         raise ClientError(f"no job or batch {ident!r} for this API key")
 
     def batch_jobs(self, batch_id: str) -> list[dict]:
-        jobs: list[dict] = []
-        cursor: str | None = None
-        while True:
-            params = {"batch_id": batch_id, "limit": PAGE, **({"cursor": cursor} if cursor else {})}
-            page = self.request("GET", "/v1/jobs", params=params)
-            jobs.extend(page["data"])
-            cursor = page.get("next_cursor")
-            if not cursor:
-                return jobs
+        return [job.raw for job in self.call(self.client.batch_jobs, batch_id)]
 
 
-def _error_text(response: httpx.Response) -> str:
-    try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:500]}"
-    text = f"HTTP {response.status_code} {error.get('code')}: {error.get('message')}"
-    details = error.get("details")
-    if isinstance(details, list):
-        lines = [f"  line {d['line']}: {d['message']}" for d in details if isinstance(d, dict) and "line" in d]
+def _error_text(exc: ApiError) -> str:
+    if not exc.status:
+        return exc.message
+    text = f"HTTP {exc.status} {exc.code}: {exc.message}"
+    if isinstance(exc.details, list):
+        lines = [f"  line {d['line']}: {d['message']}" for d in exc.details if isinstance(d, dict) and "line" in d]
         if lines:
             text += "\n" + "\n".join(lines)
     return text
@@ -105,13 +92,14 @@ def _submit_args(argv: Sequence[str]) -> argparse.Namespace:
     clip = p.add_mutually_exclusive_group()
     clip.add_argument("--audio", type=Path, help="a local audio file: uploaded first, then used as the clip")
     clip.add_argument("--audio-key", help="an object key in the service's input bucket")
+    clip.add_argument("--voice", help="a voice_id (POST /v1/voices) as the clip")
     p.add_argument("--gen-seconds", type=float, help="target length (required without audio)")
     p.add_argument("--variant", choices=("base", "flash"))
     p.add_argument("--steps", type=int, dest="num_inference_steps")
     p.add_argument("--guidance-scale", type=float)
     p.add_argument("--sway", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--format", choices=("pcm16", "float32"), dest="output_format")
+    p.add_argument("--format", choices=tuple(FORMATS), dest="response_format", help="output format (default wav)")
     p.add_argument("--custom-id")
     p.add_argument("--priority", choices=("interactive", "bulk"))
     p.add_argument("--idempotency-key", help="a repeated key returns the job it made instead of a new one")
@@ -123,8 +111,8 @@ def _submit_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-JOB_FIELDS = ("instruction", "gen_seconds", "variant", "num_inference_steps", "guidance_scale", "sway", "seed",
-              "output_format", "custom_id", "priority")
+JOB_FIELDS = ("instruction", "gen_seconds", "voice", "variant", "num_inference_steps", "guidance_scale", "sway",
+              "seed", "response_format", "custom_id", "priority")
 
 
 def _submit(api: Api, argv: Sequence[str]) -> int:
@@ -134,7 +122,8 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
             data = args.batch.read_bytes()
         except OSError as exc:
             raise ClientError(f"cannot read {args.batch}: {exc.strerror}") from None
-        batch = api.request("POST", "/v1/batches", content=data, headers={"Content-Type": "application/x-ndjson"})
+        batch = api.call(api.client.request, "POST", "/v1/batches", content=data,
+                         headers={"Content-Type": "application/x-ndjson"})  # fmt: skip
         _print_json(batch)
         print(f"batch {batch['id']}: {batch['total']} jobs queued; follow it with `auk wait {batch['id']}`",
               file=sys.stderr)
@@ -146,13 +135,12 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
             payload = args.audio.read_bytes()
         except OSError as exc:
             raise ClientError(f"cannot read {args.audio}: {exc.strerror}") from None
-        upload = api.request("POST", "/v1/uploads", files={"file": (args.audio.name, payload)})
-        body["audio"] = {"upload_id": upload["upload_id"]}
+        upload = api.call(api.client.upload, payload, args.audio.name)
+        body["audio"] = {"upload_id": upload.upload_id}
     elif args.audio_key is not None:
         body["audio"] = {"key": args.audio_key}
-    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
-    job = api.request("POST", "/v1/jobs", json=body, headers=headers)
-    _print_json(job)
+    job = api.call(api.client.submit_job, body, args.idempotency_key)
+    _print_json(job.raw)
     return 0
 
 
@@ -219,7 +207,8 @@ def _wait(api: Api, argv: Sequence[str]) -> int:
                 print(f"\n{kind} {args.id}: still {label} after {args.timeout:g} s", file=sys.stderr)
                 return 2
             time.sleep(args.interval)
-            record = api.request("GET", f"{RESOURCE[kind]}/{args.id}")
+            getter = api.client.get_job if kind == "job" else api.client.get_batch
+            record = api.call(getter, args.id).raw
     finally:
         bar.close()
     _print_json(record)
@@ -264,19 +253,24 @@ def _download(http: httpx.Client, url: str, dest: Path) -> None:
     tmp.replace(dest)
 
 
+def _extension(job: dict) -> str:
+    spec = FORMATS.get((job.get("result") or {}).get("format", "wav"))
+    return spec.extension if spec is not None else "wav"
+
+
 def _fetch(api: Api, argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="auk fetch", description="Download a job's WAV, or every WAV of a batch.")
+    p = argparse.ArgumentParser(prog="auk fetch", description="Download a job's audio, or every clip of a batch.")
     p.add_argument("id")
     p.add_argument("-o", "--out", type=Path, default=Path("."), help="directory to write into (default: .)")
     args = p.parse_args(argv)
     kind, record = api.job_or_batch(args.id)
     args.out.mkdir(parents=True, exist_ok=True)
     # Presigned URLs carry their own signature: fetched without the API key.
-    with httpx.Client(timeout=api.http.timeout, follow_redirects=True) as plain:
+    with httpx.Client(timeout=api.client.http.timeout, follow_redirects=True) as plain:
         if kind == "job":
             if record["status"] != "succeeded":
-                raise ClientError(f"job {args.id} is {record['status']}; only a succeeded job has a WAV")
-            dest = args.out / f"{record['id']}.wav"
+                raise ClientError(f"job {args.id} is {record['status']}; only a succeeded job has audio")
+            dest = args.out / f"{record['id']}.{_extension(record)}"
             _download(plain, record["result"]["url"], dest)
             print(dest)
             return 0
@@ -291,13 +285,13 @@ def _fetch(api: Api, argv: Sequence[str]) -> int:
             if name in names:  # two custom_ids that differ only in characters a file name cannot hold
                 name = f"{name}-{job['id']}"
             names.add(name)
-            dest = args.out / f"{name}.wav"
+            dest = args.out / f"{name}.{_extension(job)}"
             _download(plain, job["result"]["url"], dest)
             written += 1
         manifest = record.get("manifest")
         if manifest:
             _download(plain, manifest["url"], args.out / f"batch-{args.id}.manifest.jsonl")
-        print(f"{written} WAVs written to {args.out}")
+        print(f"{written} clips written to {args.out}")
         return _batch_exit(record) if record["status"] == "done" else 1
 
 

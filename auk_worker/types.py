@@ -21,6 +21,7 @@ class AudioClip:
 
     samples: np.ndarray  # [t] float32
     sample_rate: int
+    key: str | None = None  # the content key (SHA-256 of the encoded bytes) the voice cache files it under
 
     @property
     def duration_s(self) -> float:

@@ -8,6 +8,7 @@ records its owner and what was decoded, its exact sample count included. Jobs re
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import uuid
@@ -59,7 +60,8 @@ def create_upload(
     key = upload_key(svc.settings.s3_prefix, upload_id)
     svc.storage.put_bytes(key, data, file.content_type or "application/octet-stream", {"owner": owner})
     upload = Upload(upload_id=upload_id, owner=owner, key=key, duration_s=round(clip.duration_s, 6),
-                    sample_rate=clip.sample_rate, samples=len(clip.samples), channels=channels)  # fmt: skip
+                    sample_rate=clip.sample_rate, samples=len(clip.samples), channels=channels,
+                    sha256=hashlib.sha256(data).hexdigest())  # fmt: skip
     svc.uploads.add(upload)
     log.info("upload %s: %d bytes, %.2f s at %d Hz, %d channels", upload_id, len(data), clip.duration_s,
              clip.sample_rate, channels)

@@ -52,8 +52,11 @@ from auk_worker.pipeline.render import (
     sample,
 )
 from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs
+from auk_worker.pipeline.voices import PIECE as VOICE_PIECE
+from auk_worker.pipeline.voices import PreparedVoice, audio_embeds, cached_voice, embed_with_audio
 from auk_worker.pipeline.wiring import wire
 from auk_worker.rules import MAX_SEED, MAX_TOTAL_FRAMES, MAX_TOTAL_SECONDS
+from auk_worker.voice_cache import VoiceCache
 from auk_worker.types import (
     FRAME_RATE,
     HOP,
@@ -98,6 +101,8 @@ class AuKPipeline:
         self.model_hashes = model_hashes
         self.fast_paths = fast_paths
         self.startup: dict[str, float] = {"load": 0.0, "warm_up": 0.0}  # seconds
+        # Prepared reference clips by content key (auk_worker/voice_cache.py); set by the worker, None: off.
+        self.voice_cache: VoiceCache | None = None
         model_config = deploy.dit.model_config
         self.vae_tile_frames = model_config.auk_vae_tile_frames or max(model_config.auk_vae_compile_shapes)
         # Resamples a reference clip for the thinker while the render's own thread prepares the VAE's copy.
@@ -274,7 +279,10 @@ class AuKPipeline:
         rules.check_instruction(request.instruction)
         schedule = self.schedule(request)
         clip_24k = pending_16k = None
-        if request.audio is not None:
+        voice = cached_voice(self.voice_cache, request.audio)  # a clip prepared before, or None
+        if voice is not None:
+            clip_24k = voice.clip_24k
+        elif request.audio is not None:
             # The same rules as an uploaded file (length, finite samples), for clips handed over in memory; a clip
             # decode_audio made (a worker's job) was checked then.
             checked_clip(request.audio)
@@ -290,7 +298,9 @@ class AuKPipeline:
             # The reference encode goes first, on its own stream where there is one: the GPU runs it while the
             # host prepares the prompt, and beside the audio tower after that.
             ref, ref_valid, ref_ready = None, 0, None
-            if clip_24k is not None:
+            if voice is not None and voice.ref is not None and not request.vae_sample:
+                ref, ref_valid = voice.ref, voice.ref_valid  # the posterior mean, encoded by an earlier render
+            elif clip_24k is not None:
                 with beside(self.accelerated.encode_stream):
                     started = self._mark()
                     wav = torch.from_numpy(clip_24k).to(self.device, non_blocking=True)[None]  # [1, t]
@@ -315,8 +325,17 @@ class AuKPipeline:
                 clip = request.audio
                 samples_16k = resampled_length(len(clip.samples), clip.sample_rate, THINKER_SAMPLE_RATE)
             input_ids = self.encoder.processor.input_ids(request.instruction, samples_16k)
-            audio_16k = None if pending_16k is None else pending_16k.result()
-            embeds = self.encoder.embed(request.instruction, audio_16k, input_ids)  # [nt, dt]
+            if voice is not None:
+                embeds = embed_with_audio(self.encoder, input_ids, voice.audio_embeds)  # [nt, dt]
+            elif self.voice_cache is not None and request.audio is not None and request.audio.key is not None:
+                audio_16k = pending_16k.result()
+                tower = audio_embeds(self.encoder, request.instruction, audio_16k, input_ids)  # [na, dt]
+                embeds = embed_with_audio(self.encoder, input_ids, tower)
+                self.voice_cache.put(request.audio.key, VOICE_PIECE, PreparedVoice(
+                    clip_24k, audio_16k, tower, None if request.vae_sample else ref, ref_valid))  # fmt: skip
+            else:
+                audio_16k = None if pending_16k is None else pending_16k.result()
+                embeds = self.encoder.embed(request.instruction, audio_16k, input_ids)  # [nt, dt]
             timings["encode"] = [Span(started, self._mark())]
         return Job(
             index=index,
@@ -376,3 +395,4 @@ def _apply_memory_fraction(deploy: DeployConfig, device: torch.device) -> None:
     if deploy.encoder.devices == deploy.dit.devices:
         fraction += deploy.encoder.gpu_memory_utilization
     torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)
+

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from auk_worker import rules
+from auk_worker import formats, rules
 
 Variant = Literal["base", "flash"]
-OutputFormat = Literal["pcm16", "float32"]
 Priority = Literal["interactive", "bulk"]
 
 
 class AudioRef(BaseModel):
-    """The job's single clip: an upload made through the API or an object key in the input bucket."""
+    """The job's single clip (a voice is the other way to give one): an upload made through the API or an object key in the input bucket."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -64,15 +63,29 @@ class JobRequest(BaseModel):
                                          allow_inf_nan=False)  # fmt: skip
     sway: float | None = Field(default=None, ge=rules.SWAY.low, le=rules.SWAY.high, strict=True, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=rules.SEED.low, lt=rules.SEED.high, strict=True)
-    output_format: OutputFormat = "pcm16"
+    # ``format`` and the older ``output_format`` (``pcm16``, ``float32``) are accepted for the same field.
+    response_format: str = Field(default=formats.DEFAULT_FORMAT, max_length=32,
+                                 validation_alias=AliasChoices("response_format", "format", "output_format"))
+    voice: str | None = Field(default=None, min_length=1, max_length=128)
     custom_id: str | None = Field(default=None, max_length=256)
     priority: Priority = "interactive"
     # Called when the job ends (checked by urlguard at submit and again at each send; see notify.py).
     webhook_url: str | None = Field(default=None, min_length=1, max_length=2048)
 
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, name: str) -> str:
+        """The format's canonical name (``formats.py``); an older ``output_format`` value maps to its format."""
+        name = name.strip().lower()
+        return formats.get_format(formats.LEGACY_NAMES.get(name, name)).name
+
     @model_validator(mode="after")
-    def _rules(self) -> JobRequest:
-        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error)."""
+    def _rules(self, info: ValidationInfo) -> JobRequest:
+        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error).
+        The validation context's ``has_clip`` says a clip comes another way (a speech request's inline clip)."""
         rules.check_instruction(self.instruction)
-        rules.require_length(self.gen_seconds, has_clip=self.audio is not None)
+        if self.audio is not None and self.voice is not None:
+            raise ValueError("give audio or voice, not both: a job takes one clip")
+        given = self.audio is not None or self.voice is not None or bool((info.context or {}).get("has_clip"))
+        rules.require_length(self.gen_seconds, has_clip=given)
         return self

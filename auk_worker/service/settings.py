@@ -170,6 +170,9 @@ class Settings:
     storage_retry_deadline_s: float = 1800.0  # AUK_STORAGE_RETRY_DEADLINE
     storage_retry_backoff_s: float = 1.0  # AUK_STORAGE_RETRY_BACKOFF
     storage_retry_backoff_max_s: float = 30.0  # AUK_STORAGE_RETRY_BACKOFF_MAX
+    voice_cache_bytes: int = 512 * 1024 * 1024  # AUK_VOICE_CACHE_BYTES: a worker's prepared-voice cache; 0 is off
+    speech_timeout_s: int = 300  # AUK_SPEECH_TIMEOUT: how long POST /v1/audio/speech waits for its render
+    fetch_allow: str = ""  # AUK_FETCH_ALLOW: hosts/CIDRs a speech request's ref_audio URL may be fetched from
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -221,6 +224,9 @@ class Settings:
             storage_retry_deadline_s=_positive(env, "AUK_STORAGE_RETRY_DEADLINE", 1800.0),
             storage_retry_backoff_s=storage_backoff,
             storage_retry_backoff_max_s=storage_backoff_max,
+            voice_cache_bytes=_int(env, "AUK_VOICE_CACHE_BYTES", 512 * 1024 * 1024, minimum=0),
+            speech_timeout_s=_int(env, "AUK_SPEECH_TIMEOUT", 300, minimum=1),
+            fetch_allow=_allow_list(env, "AUK_FETCH_ALLOW"),
         )
 
     def require_storage(self) -> None:

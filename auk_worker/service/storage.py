@@ -5,8 +5,9 @@ that an unreachable store fails fast and the Celery task's own backoff decides w
 botocore or connection error leaves this module as ``InfraError`` with the cause; a missing object is
 ``InputError`` (the caller named a key that does not exist).
 
-Key layout under the settings' prefix: ``jobs/<job id>.wav``, ``uploads/<upload id>``,
-``jobs/batch-<batch id>.manifest.jsonl`` (the manifest sits next to the WAVs).
+Key layout under the settings' prefix: ``jobs/<job id>.<format extension>`` (``.wav``, ``.flac``, ``.mp3``,
+``.opus``, ``.pcm``), ``uploads/<upload id>``, ``voices/<voice id>``, ``clips/<owner>/<sha256>`` (a speech
+request's inline reference clip), ``jobs/batch-<batch id>.manifest.jsonl`` (the manifest sits next to the audio).
 
 ``StorageWait`` is how a worker lives through an outage: a storage call that fails with ``InfraError`` is tried
 again, in the worker and with what it already holds (a rendered WAV stays in memory; nothing is rendered again),
@@ -49,8 +50,17 @@ def _norm_prefix(prefix: str) -> str:
     return f"{stripped}/" if stripped else ""
 
 
-def result_key(prefix: str, job_id: str) -> str:
-    return f"{_norm_prefix(prefix)}jobs/{job_id}.wav"
+def result_key(prefix: str, job_id: str, extension: str = "wav") -> str:
+    return f"{_norm_prefix(prefix)}jobs/{job_id}.{extension}"
+
+
+def voice_key(prefix: str, voice_id: str) -> str:
+    return f"{_norm_prefix(prefix)}voices/{voice_id}"
+
+
+def clip_key(prefix: str, owner: str, sha256: str) -> str:
+    """Content-addressed per owner: the same clip sent again overwrites the same object."""
+    return f"{_norm_prefix(prefix)}clips/{owner}/{sha256}"
 
 
 def upload_key(prefix: str, upload_id: str) -> str:

@@ -1,4 +1,4 @@
-"""The render tasks: start the record, fetch the clip, render, upload the WAV, record the result.
+"""The render tasks: start the record, fetch the clip, render, encode, upload the audio, record the result.
 
 ``render_job`` is the whole job as one plain function over a ``RenderRuntime`` (pipeline, store, storage,
 heartbeat), so it reads top to bottom and can be called without Celery. ``register`` binds it to a Celery app as
@@ -34,6 +34,7 @@ Celery boundary that maps each error family to the record; together they read as
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -49,7 +50,7 @@ from urllib.parse import quote
 import redis
 from celery import Celery, Task
 
-from auk_worker import rules
+from auk_worker import formats, rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory, StorageUnavailable
 from auk_worker.service.batches import write_results
@@ -58,15 +59,16 @@ from auk_worker.service.grouping import RENDER_GROUP_TASK
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier
+from auk_worker.service.replies import ReplySender
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, StorageWait, result_key, upload_key
 from auk_worker.types import RenderRequest, RenderResult
-from auk_worker.wav import write_wav
+from auk_worker.voice_cache import VoiceCache
 
 log = logging.getLogger(__name__)
 
-_REQUEST_FIELDS = frozenset(JobRequest.model_fields)
+_REQUEST_FIELDS = frozenset(JobRequest.model_fields) | {"output_format"}  # the older name of response_format
 PROGRESS_INTERVAL_S = 0.05  # a cancel is seen within this long (or one step, if steps are slower)
 MAX_UPLOADS_IN_FLIGHT = 8  # a group's results are uploaded and recorded this many at a time
 
@@ -90,6 +92,8 @@ class RenderRuntime:
     storage: Storage
     heartbeat: Heartbeat | None = None
     barrier: ReplicationBarrier | None = None  # a job starts only on the current Redis master (Sentinel)
+    replies: ReplySender | None = None  # pushes a speech job's audio to the waiting API (service/replies.py)
+    voice_cache: VoiceCache | None = None  # decoded clips by content (the pipeline keeps its pieces in the same one)
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
 
@@ -102,6 +106,7 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
 
     Raises ``InputError``, ``InfraError``, ``Canceled``, ``ModelError`` for the boundary to record.
     """
+    started_at, started = time.time(), time.perf_counter()
     record = _begin(rt, job_id)
     if record is None or record.terminal:
         return record
@@ -109,8 +114,17 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
                                         _cancel_check(rt, job_id))  # fmt: skip
     progress = _Progress(rt, [job_id])
+    rendering = time.perf_counter()
     result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
-    return _store_result(rt, job_id, request, result, wait)
+    encoding = time.perf_counter()
+    encoded = _encode(request, result)
+    if record.request.get("reply") and rt.replies is not None:
+        # The waiting API gets the audio now; the object and the record follow (a lost worker is redelivered:
+        # the record is still running, so the job renders and stores again).
+        timings = {"started_at": started_at, "prepare": rendering - started, "render": encoding - rendering,
+                   "encode": time.perf_counter() - encoding}
+        rt.replies.audio(job_id, encoded[1], fmt=encoded[0].name, content_type=encoded[0].mime_type, timings=timings)
+    return _store_result(rt, job_id, request, result, wait, encoded)
 
 
 def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
@@ -133,8 +147,9 @@ def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
 def _prepare(rt: RenderRuntime, record: JobRecord) -> tuple[JobRequest, RenderRequest]:
     """The record's validated request and the pipeline's request: the clip fetched and decoded (and checked, once:
     the pipeline takes the checked clip as it is), the length rule applied to it as the API applied it."""
-    request = JobRequest.model_validate({k: v for k, v in record.request.items() if k in _REQUEST_FIELDS})
-    clip = _load_clip(rt, request)
+    fields = {k: v for k, v in record.request.items() if k in _REQUEST_FIELDS}
+    request = JobRequest.model_validate(fields, context={"has_clip": bool(record.request.get("clip"))})
+    clip = _load_clip(rt, request, record.request.get("clip"))
     render_request = RenderRequest(
         instruction=request.instruction,
         audio=clip,
@@ -182,23 +197,33 @@ class _Progress:
             raise Canceled(f"every job of the group was canceled by step {step} of {total}")
 
 
+def _encode(request: JobRequest, result: RenderResult) -> tuple[formats.AudioFormat, bytes]:
+    """The rendered waveform as the file the request asked for (``formats.py``)."""
+    spec = formats.get_format(request.response_format)
+    return spec, formats.encode(result.waveform, spec, result.sample_rate)
+
+
 def _store_result(
-    rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait
+    rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait,
+    encoded: tuple[formats.AudioFormat, bytes] | None = None,
 ) -> JobRecord | None:
-    """Upload the WAV (through ``wait``: an outage is waited out with the WAV in hand) and record the success (and
-    the batch manifest when this was the batch's last job)."""
-    key = result_key(rt.settings.s3_prefix, job_id)
-    data = write_wav(result.waveform, result.sample_rate, request.output_format)
+    """Upload the audio (through ``wait``: an outage is waited out with the audio in hand) and record the success
+    (and the batch manifest when this was the batch's last job)."""
+    spec, data = encoded or _encode(request, result)
+    key = result_key(rt.settings.s3_prefix, job_id, spec.extension)
     metadata = _metadata(job_id, request, result, rt.pipeline.variant)
-    wait.call(f"upload {key}", lambda: rt.storage.put_wav(key, data, metadata), _cancel_check(rt, job_id))
+    storing = time.perf_counter()
+    wait.call(f"upload {key}", lambda: rt.storage.put_bytes(key, data, spec.mime_type, metadata),
+              _cancel_check(rt, job_id))  # fmt: skip
+    result.timings["store"] = time.perf_counter() - storing
     outcome = _on_current_master(rt, f"the end of job {job_id}",
-                                 lambda: rt.store.finish(job_id, _result(rt, key, request, result), rt.holder))
+                                 lambda: rt.store.finish(job_id, _result(rt, key, request, result, spec), rt.holder))
     if outcome.record is None:
         current = rt.store.get(job_id)
         if current is not None and current.status == JobStatus.CANCELED:  # the object goes, the record stays
             log.info("job %s: canceled during upload; removing %s", job_id, key)
             wait.call(f"remove {key}", lambda: rt.storage.delete(key))
-        else:  # taken from this attempt: the key is the job's one WAV, which its current attempt writes too
+        else:  # taken from this attempt: the key is the job's one object, which its current attempt writes too
             log.warning("job %s: no longer held by this worker (%s); its result is not recorded", job_id,
                         current.status.value if current else "no record")  # fmt: skip
         _after_terminal(rt, job_id, current)
@@ -331,14 +356,28 @@ def _cancel_check(rt: RenderRuntime, job_id: str) -> Any:
     return check
 
 
-def _load_clip(rt: RenderRuntime, request: JobRequest) -> CheckedClip | None:
-    if request.audio is None:
+def _load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | None) -> CheckedClip | None:
+    """The job's clip, decoded, carrying its content key (the SHA-256 of its bytes) for the voice cache: from the
+    cache when this content was decoded before, else fetched from where the API resolved it (``request.clip``:
+    an upload, a voice, an input key, a speech request's inline clip)."""
+    if clip is None and request.audio is None:
         return None
-    if request.audio.upload_id is not None:
+    digest = (clip or {}).get("sha256")
+    cache = rt.voice_cache
+    cached = cache.get(digest, "clip") if cache is not None else None
+    if cached is not None:
+        return cached
+    if clip is not None:
+        data = rt.storage.get_bytes(clip["bucket"], clip["key"])
+    elif request.audio.upload_id is not None:
         data = rt.storage.get_bytes(rt.storage.bucket, upload_key(rt.settings.s3_prefix, request.audio.upload_id))
     else:
         data = rt.storage.get_bytes(rt.storage.input_bucket, request.audio.key)
-    return decode_audio(data)
+    digest = hashlib.sha256(data).hexdigest()
+    decoded = dataclasses.replace(decode_audio(data), key=digest)
+    if cache is not None:
+        cache.put(digest, "clip", decoded)
+    return decoded
 
 
 def _metadata(job_id: str, request: JobRequest, result: RenderResult, variant: str) -> dict[str, str]:
@@ -351,7 +390,7 @@ def _metadata(job_id: str, request: JobRequest, result: RenderResult, variant: s
         "cfg": f"{result.guidance_scale:g}",
         "instruction-sha256": hashlib.sha256(request.instruction.encode()).hexdigest()[:16],
         "instruction": quote(request.instruction[:200], safe=" ,.;:!?'-_()"),
-        "format": request.output_format,
+        "format": request.response_format,
     }
     if request.gen_seconds is not None:
         meta["gen-seconds"] = f"{request.gen_seconds:g}"
@@ -362,7 +401,8 @@ def _metadata(job_id: str, request: JobRequest, result: RenderResult, variant: s
     return meta
 
 
-def _result(rt: RenderRuntime, key: str, request: JobRequest, result: RenderResult) -> dict[str, Any]:
+def _result(rt: RenderRuntime, key: str, request: JobRequest, result: RenderResult,
+            spec: formats.AudioFormat) -> dict[str, Any]:
     return {
         "bucket": rt.storage.bucket,
         "key": key,
@@ -372,7 +412,8 @@ def _result(rt: RenderRuntime, key: str, request: JobRequest, result: RenderResu
         "seed": result.seed,
         "num_inference_steps": result.num_inference_steps,
         "guidance_scale": result.guidance_scale,
-        "format": request.output_format,
+        "format": spec.name,
+        "content_type": spec.mime_type,
         "variant": rt.pipeline.variant,
         "model_hashes": dict(rt.pipeline.model_hashes),
         "timings": {name: round(seconds, 4) for name, seconds in result.timings.items()},
@@ -395,6 +436,8 @@ def _skip(rt: RenderRuntime, job_id: str) -> None:
 def _fail(rt: RenderRuntime, job_id: str, code: str, message: str) -> JobRecord | None:
     outcome = rt.store.fail(job_id, code, message, rt.holder)
     log.warning("job %s: failed (%s): %s", job_id, code, message)
+    if outcome.record is not None and outcome.record.request.get("reply") and rt.replies is not None:
+        rt.replies.failure(job_id, code, message)  # the waiting API answers at once, not at its next look
     if outcome.batch_done and outcome.record and outcome.record.batch_id:
         write_manifest(rt, outcome.record.batch_id)
     return outcome.record

@@ -21,6 +21,7 @@ class Upload:
     sample_rate: int
     samples: int  # at ``sample_rate``, mono
     channels: int
+    sha256: str = ""  # of the encoded bytes: the content key workers cache a clip's preparation under
 
     def public(self) -> dict:
         """The API's JSON shape of an upload."""
@@ -42,6 +43,7 @@ class UploadStore:
         self.redis.hset(self.key(upload.upload_id), mapping={
             "owner": upload.owner, "key": upload.key, "duration_s": repr(upload.duration_s),
             "sample_rate": str(upload.sample_rate), "samples": str(upload.samples), "channels": str(upload.channels),
+            "sha256": upload.sha256,
         })  # fmt: skip
 
     def get(self, upload_id: str, owner: str) -> Upload | None:
@@ -53,4 +55,4 @@ class UploadStore:
         # A record written before ``samples`` was kept: its duration has 6 decimals, exact to the sample below 1 MHz.
         samples = int(fields["samples"]) if "samples" in fields else round(duration * rate)
         return Upload(upload_id=upload_id, owner=owner, key=fields["key"], duration_s=duration, sample_rate=rate,
-                      samples=samples, channels=int(fields["channels"]))  # fmt: skip
+                      samples=samples, channels=int(fields["channels"]), sha256=fields.get("sha256", ""))  # fmt: skip

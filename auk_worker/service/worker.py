@@ -43,9 +43,11 @@ from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
 from auk_worker.service.recovery import Reaper, RecoveryStore
 from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier, redis_client
+from auk_worker.service.replies import ReplySender
 from auk_worker.service.settings import VARIANTS, Settings, worker_id_or_none
 from auk_worker.service.storage import Storage
 from auk_worker.service.tasks import Pipeline, RenderRuntime, register
+from auk_worker.voice_cache import VoiceCache
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +203,12 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     app.steps["consumer"].add(consumer_watch(heartbeat))
     notifying = notifying_store(client, storage, settings.presign_seconds)  # ended jobs enqueue their webhooks
     barrier = ReplicationBarrier.from_settings(client, settings) if settings.redis_wait_replicas else None
+    voice_cache = VoiceCache(settings.voice_cache_bytes)
+    if hasattr(pipeline, "voice_cache"):  # the real pipeline keeps a voice's prepared pieces in the same cache
+        pipeline.voice_cache = voice_cache
     runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, barrier=barrier,
-                            holder=heartbeat.holder)  # fmt: skip
+                            holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
+                            voice_cache=voice_cache)  # fmt: skip
     register(app, runtime)
 
     def on_ready(**_: object) -> None:

@@ -1,0 +1,115 @@
+"""``POST /v1/audio/speech``: OpenAI's speech endpoint (and vLLM-Omni's AuK fields), answered with the audio bytes.
+
+The request is a job like any other: checked by the same rules, written as a record under the caller's key, sent
+to the variant's interactive queue. What differs is the answer: the worker pushes the encoded audio through Redis
+as soon as it exists (``auk_worker/service/replies.py``) and the route, waiting on that with ``BLPOP``, answers
+with it at once; the worker stores the object and records the success afterwards, off the answer's path. The job
+id comes back in ``X-Job-Id`` (``GET /v1/jobs/{id}`` shows the stored result once recorded), and the split of the
+time in ``Server-Timing``: ``submit`` (checks and the clip, up to the record), ``queue`` (record written and task
+sent, to the worker's start), ``prepare`` (the worker starts the record and reads the clip), ``render``, ``encode``,
+``transfer`` (push to receipt) and ``total`` as the API saw it.
+
+While waiting, the route looks at the record between slices of the wait, so a job that fails or is canceled
+before it can push anything is answered with its error. ``AUK_SPEECH_TIMEOUT`` bounds the wait (504 after it; the
+job goes on and its record keeps the result).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import caller
+from api.deps import Services, services
+from api.errors import error_response
+from api.speech import SpeechRequest, resolve_clip, to_job
+from api.submit import enqueue_interactive
+from auk_worker import formats
+from auk_worker.errors import InputError
+from auk_worker.service.jobs import JobStatus
+from auk_worker.service.replies import WAIT_SLICE_S, Reply
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["speech"])
+
+_AUDIO_RESPONSES = {
+    200: {"description": "the audio, in the requested format",
+          "content": {spec.mime_type: {"schema": {"type": "string", "format": "binary"}} for spec in formats.FORMATS.values()}},
+}  # fmt: skip
+
+
+# Codes of a job that failed through no fault of its request: a 5xx, not a 422.
+SERVER_FAULTS = {"infrastructure": 503, "worker_crashed": 500, "out_of_memory": 503, "model_error": 500,
+                 "internal": 500}  # fmt: skip
+
+
+def _job_error(code: str, message: str) -> JSONResponse:
+    """A failed job's answer: its code and message, 422 for the request's fault, else its server status."""
+    status = SERVER_FAULTS.get(code)
+    if status is None:
+        return error_response(InputError(message, code=code))
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def _submit(svc: Services, owner: str, body: SpeechRequest) -> tuple[str, float]:
+    """The job's id, and the wall time its record was written and sent from (where ``queue`` starts)."""
+    request = to_job(body)
+    clip = resolve_clip(svc, owner, body, request)
+    enqueued_at = time.time()
+    return enqueue_interactive(svc, owner, request, clip, reply=True).id, enqueued_at
+
+
+@router.post("/audio/speech", summary="Render speech and answer with the audio (OpenAI-compatible)",
+             response_class=Response, responses=_AUDIO_RESPONSES)  # fmt: skip
+async def create_speech(body: SpeechRequest, owner: str = Depends(caller), svc: Services = Depends(services)):
+    started, started_at = time.perf_counter(), time.time()
+    job_id, enqueued_at = await run_in_threadpool(_submit, svc, owner, body)
+    reply = await _wait(svc, job_id, started + svc.settings.speech_timeout_s)
+    received = time.time()
+    if isinstance(reply, JSONResponse):
+        reply.headers["X-Job-Id"] = job_id
+        return reply
+    timings = reply.header.get("timings", {})
+    split = {
+        "submit": (enqueued_at - started_at) * 1000,
+        "queue": max(0.0, (timings.get("started_at", enqueued_at) - enqueued_at) * 1000),
+        "prepare": timings.get("prepare", 0.0) * 1000,
+        "render": timings.get("render", 0.0) * 1000,
+        "encode": timings.get("encode", 0.0) * 1000,
+        "transfer": max(0.0, (received - reply.header.get("pushed_at", received)) * 1000),
+        "total": (time.perf_counter() - started) * 1000,
+    }
+    server_timing = ", ".join(f"{name};dur={ms:.2f}" for name, ms in split.items())
+    headers = {"X-Job-Id": job_id, "Server-Timing": server_timing}
+    return Response(reply.body, media_type=reply.header.get("content_type"), headers=headers)
+
+
+async def _wait(svc: Services, job_id: str, deadline: float) -> Reply | JSONResponse:
+    """The worker's reply; or the job's error as a response when it ended without one."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            message = (f"the render did not finish within {svc.settings.speech_timeout_s} s; the job goes on: "
+                       f"follow it at /v1/jobs/{job_id}")  # fmt: skip
+            return JSONResponse({"error": {"code": "timeout", "message": message}}, status_code=504)
+        reply = await svc.replies.wait(job_id, min(WAIT_SLICE_S, left))
+        if reply is not None:
+            if reply.ok:
+                return reply
+            return _job_error(reply.header.get("code", "failed"), reply.header.get("message", "the job failed"))
+        record = await run_in_threadpool(svc.store.get, job_id)
+        if record is None:
+            return error_response(InputError(f"job {job_id} disappeared", code="not_found"))
+        if record.status in (JobStatus.FAILED, JobStatus.CANCELED):
+            error = record.error or {}
+            return _job_error(error.get("code", record.status.value), error.get("message", record.status.value))
+        if record.status == JobStatus.SUCCEEDED:  # the reply was pushed and taken or expired: read the stored copy
+            result = record.result or {}
+            data = await run_in_threadpool(svc.storage.get_bytes, result["bucket"], result["key"])
+            spec = formats.get_format(result.get("format", "wav"))
+            return Reply({"status": "succeeded", "content_type": spec.mime_type, "timings": {}}, data)

@@ -1,0 +1,131 @@
+"""``/v1/voices``: reusable reference clips, named by ``voice_id`` in jobs and speech requests.
+
+``POST /v1/voices`` takes a multipart ``file`` (and an optional ``name``), or JSON ``{"upload_id", "name"}`` for an
+upload made earlier. The clip is decoded as an upload is (a clip that makes a voice is a clip that renders) and
+copied to the voice's own object, so the voice outlives its upload. A voice belongs to the key that made it:
+another key's voice answers 404 like one that does not exist. ``DELETE`` removes the record and the object; a job
+already queued with that voice then fails with ``audio_not_found``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from api.auth import caller
+from api.deps import Services, services
+from api.errors import too_large
+from api.routes.uploads import _channels
+from auk_worker.audio import decode_audio
+from auk_worker.errors import InputError, NotFound, UnsupportedMediaType
+from auk_worker.service.jobs import utc_now
+from auk_worker.service.storage import voice_key
+from auk_worker.service.voices import Voice, new_voice_id
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["voices"])
+
+MAX_NAME = 200
+
+_VOICE_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "A multipart `file` (and optional `name`), or JSON `{\"upload_id\", \"name\"}`.",
+        "content": {
+            "multipart/form-data": {
+                "schema": {"type": "object", "required": ["file"],
+                           "properties": {"file": {"type": "string", "format": "binary"}, "name": {"type": "string"}}},
+            },
+            "application/json": {
+                "schema": {"type": "object", "required": ["upload_id"],
+                           "properties": {"upload_id": {"type": "string"}, "name": {"type": "string"}}},
+            },
+        },
+    }
+}
+
+
+def _name(value: object) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_NAME:
+        raise InputError(f"name: a string of at most {MAX_NAME} characters")
+    return value
+
+
+async def _source(request: Request, svc: Services, owner: str) -> tuple[bytes, str, str]:
+    """(the clip's bytes, its content type, the voice's name) from a multipart file or an upload id."""
+    limit = svc.settings.max_upload_bytes
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        form = await request.form(max_files=1, max_fields=4, max_part_size=limit)
+        part = form.get("file")
+        if not isinstance(part, UploadFile):
+            raise InputError("file: a voice needs its clip in a multipart field named 'file'", code="invalid_request")
+        data = await part.read(limit + 1)
+        if len(data) > limit:
+            raise too_large("the voice upload", limit)
+        return data, part.content_type or "application/octet-stream", _name(form.get("name"))
+    if content_type == "application/json":
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InputError("the request body is not valid JSON", code="malformed_json") from None
+        if not isinstance(body, dict) or not isinstance(body.get("upload_id"), str):
+            raise InputError("upload_id: field required (or send the clip as a multipart file)")
+        unknown = sorted(set(body) - {"upload_id", "name"})
+        if unknown:
+            raise InputError(f"{', '.join(unknown)}: unknown field")
+        upload = svc.uploads.get(body["upload_id"], owner)
+        if upload is None:
+            raise InputError(f"upload_id: no upload {body['upload_id']!r} for this API key", code="unknown_upload")
+        data = await run_in_threadpool(svc.storage.get_bytes, svc.storage.bucket, upload.key)
+        return data, "application/octet-stream", _name(body.get("name"))
+    raise UnsupportedMediaType(f"a voice is a multipart file or JSON with an upload_id, not {content_type!r}")
+
+
+@router.post("/voices", status_code=201, summary="Make a reusable voice from a clip", openapi_extra=_VOICE_BODY_DOC)
+async def create_voice(request: Request, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
+    data, content_type, name = await _source(request, svc, owner)
+    return await run_in_threadpool(_store_voice, svc, owner, data, content_type, name)
+
+
+def _store_voice(svc: Services, owner: str, data: bytes, content_type: str, name: str) -> dict:
+    clip = decode_audio(data)  # AudioError (422) names what is wrong with the file
+    voice_id = new_voice_id()
+    key = voice_key(svc.settings.s3_prefix, voice_id)
+    svc.storage.put_bytes(key, data, content_type, {"owner": owner, "voice-id": voice_id})
+    voice = Voice(voice_id=voice_id, owner=owner, name=name, key=key, sha256=hashlib.sha256(data).hexdigest(),
+                  duration_s=round(clip.duration_s, 6), sample_rate=clip.sample_rate, samples=len(clip.samples),
+                  channels=_channels(data), created_at=utc_now())  # fmt: skip
+    svc.voices.add(voice)
+    log.info("voice %s: %.2f s at %d Hz for owner %s", voice_id, clip.duration_s, clip.sample_rate, owner)
+    return voice.public()
+
+
+@router.get("/voices", summary="List the caller's voices, newest first")
+def list_voices(owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
+    return {"object": "list", "data": [voice.public() for voice in svc.voices.list(owner)]}
+
+
+@router.get("/voices/{voice_id}", summary="Read one voice")
+def get_voice(voice_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
+    voice = svc.voices.get(voice_id, owner)
+    if voice is None:
+        raise NotFound(f"no voice {voice_id!r}")
+    return voice.public()
+
+
+@router.delete("/voices/{voice_id}", summary="Delete a voice and its clip")
+def delete_voice(voice_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
+    voice = svc.voices.delete(voice_id, owner)
+    if voice is None:
+        raise NotFound(f"no voice {voice_id!r}")
+    svc.storage.delete(voice.key)
+    log.info("voice %s: deleted by its owner", voice_id)
+    return {"voice_id": voice_id, "object": "voice", "deleted": True}
