@@ -133,6 +133,8 @@ class FairShare:
         self.redis.hdel(self._inflight, item)
 
     def _resend_stale(self, send: Send) -> None:
+        if not self.redis.hlen(self._inflight):  # the usual case: every released task was sent
+            return
         now = time.time()
         for item, released in self.redis.hgetall(self._inflight).items():
             if now - float(released) > INFLIGHT_STALE_S:
