@@ -10,6 +10,8 @@ import uvicorn
 
 from auk_worker.errors import ConfigError
 
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+
 
 def main() -> int:
     host = os.environ.get("AUK_API_HOST", "127.0.0.1")
@@ -21,12 +23,17 @@ def main() -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from api.app import make_app
+        from api.protocol import with_head_timeout
 
         app = make_app()  # settings are checked here, before the port is bound
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=host, port=int(raw_port), proxy_headers=False)
+    settings = app.state.services.settings
+    # Idle keep-alive connections close after AUK_API_KEEP_ALIVE s; a request head must be complete within
+    # AUK_API_BODY_TIMEOUT s and at most 64 KiB; a stalled body is cut by the request guard.
+    uvicorn.run(app, host=host, port=int(raw_port), proxy_headers=False, timeout_keep_alive=settings.keep_alive_s,
+                h11_max_incomplete_event_size=MAX_HEAD_BYTES, http=with_head_timeout(settings.body_timeout_s))
     return 0
 
 

@@ -1,7 +1,8 @@
 """The REST API: an app factory over one ``Settings``.
 
 ``create_app(settings)`` builds the FastAPI app over its clients (``api/deps.py``), its error mapping
-(``api/errors.py``) and its routes (``api/routes/``). Nothing connects at import time; ``make_app()`` reads the
+(``api/errors.py``), its routes (``api/routes/``) and, in front of them, the request guard (``api/guard.py``: the
+key, the per-key quotas and the body limits, checked before any body is read). Nothing connects at import time; ``make_app()`` reads the
 environment and is what ``uvicorn --factory api.app:make_app`` (and ``python -m api``) serves; the module attribute
 ``app`` is the same, built on first access.
 
@@ -15,20 +16,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from api.auth import KeyRing
 from api.deps import build_services, start_dispatcher
-from api.errors import error_response, install_error_handlers, too_large
+from api.errors import install_error_handlers
+from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
 from api.links import LinkSigner
 from api.routes import batch_manage, batch_page, batches, health, jobs, speech, uploads, voices, webhooks
 from auk_worker.errors import InfraError
+from auk_worker.service.fairshare import Feeder
+from auk_worker.service.quotas import RateLimiter, async_redis_client
 from auk_worker.service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers around an uploaded file
-JSON_BODY_LIMIT = 1024 * 1024  # a job request is a few kilobytes
+RATE_TIMEOUT_S = 1.0  # a rate check waits this long for Redis, then lets the request through
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -36,6 +39,7 @@ def create_app(settings: Settings) -> FastAPI:
     settings.require_api_keys()
     settings.require_storage()
     built = build_services(settings)
+    rate_client = async_redis_client(settings, RATE_TIMEOUT_S)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -44,13 +48,16 @@ def create_app(settings: Settings) -> FastAPI:
         except InfraError as exc:  # the API still starts; /readyz reports storage until it answers
             log.warning("storage: buckets not checked at start-up: %s", exc)
         dispatcher = start_dispatcher(built)
+        feeder = Feeder(built.fair, built.send).start()  # bulk tasks move while any API or worker is up
         try:
             yield
         finally:
+            feeder.stop()
             if dispatcher is not None:
                 dispatcher.close()
             built.redis.close()
             await built.replies.close()
+            await rate_client.aclose()
 
     app = FastAPI(
         title="AuK render service",
@@ -65,25 +72,25 @@ def create_app(settings: Settings) -> FastAPI:
     for routes in (uploads, jobs, batch_manage, batches, batch_page, webhooks, speech, voices, health):
         app.include_router(routes.router)
 
-    # (what, limit): the upload and the batch are checked again while read; this refuses early on the header.
+    # (what, limit) of each route's body: the guard cuts a body there, whatever its headers say.
     limits = {"/v1/uploads": ("the upload", settings.max_upload_bytes),
               "/v1/batches": ("the batch", batches.MAX_BATCH_BYTES),
               "/v1/voices": ("the voice upload", settings.max_upload_bytes),
               # a reference clip inline as base64: 4/3 of the upload limit
               "/v1/audio/speech": ("the request body", JSON_BODY_LIMIT + settings.max_upload_bytes * 4 // 3)}  # fmt: skip
 
-    @app.middleware("http")
-    async def refuse_oversized_bodies(request: Request, call_next):
-        """Refuse a declared body over its route's limit before it is read or spooled (413 naming the limit)."""
-        path = request.url.path
-        if not path.startswith("/v1/"):
-            return await call_next(request)
-        what, limit = limits.get(path, ("the request body", JSON_BODY_LIMIT))
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD:
-            return error_response(too_large(what, limit))
-        return await call_next(request)
-
+    rate = None
+    if settings.quota_rate > 0:
+        rate = RateLimiter(rate_client, settings.quota_rate, settings.quota_burst)
+    app.add_middleware(
+        RequestGuard,
+        keyring=app.state.keyring,
+        limit_for=lambda path: limits.get(path, ("the request body", JSON_BODY_LIMIT)),
+        body_timeout_s=settings.body_timeout_s,
+        body_min_rate=settings.body_min_rate,
+        rate=rate,
+        slots=KeySlots(settings.quota_in_flight, settings.quota_in_flight_queue) if settings.quota_in_flight else None,
+    )
     return app
 
 

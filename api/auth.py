@@ -34,6 +34,9 @@ class KeyRing:
 
 
 def caller(request: Request) -> str:
-    """FastAPI dependency: the calling key's owner id."""
+    """FastAPI dependency: the calling key's owner id (as the request guard found it, else from the header)."""
+    owner = request.scope.get("state", {}).get("owner")
+    if owner:
+        return owner
     keyring: KeyRing = request.app.state.keyring
     return keyring.owner_for(request.headers.get("authorization"))

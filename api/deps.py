@@ -15,6 +15,7 @@ from fastapi import Request
 
 from auk_worker.service.batches import BatchBook
 from auk_worker.service.celery_app import make_celery
+from auk_worker.service.fairshare import FairShare
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import Notifier, NotifyingJobStore
 from auk_worker.service.redis_client import ReplicationBarrier, redis_client
@@ -47,6 +48,11 @@ class Services:
     barrier: ReplicationBarrier  # run before a 202: the job's writes are on the current master and its replicas
     voices: VoiceStore
     replies: ReplyWaiter  # the speech endpoint's wait for its audio (binary, asyncio)
+    fair: FairShare
+
+    def send(self, task: str, args: list, queue: str) -> None:
+        """Send a task by name (the bulk feeder's way to Celery)."""
+        self.celery.send_task(task, args=args, queue=queue)
 
 
 def build_services(settings: Settings) -> Services:
@@ -72,6 +78,7 @@ def build_services(settings: Settings) -> Services:
         barrier=ReplicationBarrier.from_settings(client, settings),
         voices=VoiceStore(client),
         replies=ReplyWaiter.from_settings(settings),
+        fair=FairShare(client, settings.bulk_queue_depth),
     )
 
 

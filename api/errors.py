@@ -2,9 +2,9 @@
 
 Every caller fault is an ``InputError`` (``auk_worker/errors.py``) raised wherever it is found; ``STATUS`` maps its
 class to the HTTP status, and each error leaves the API as JSON ``{"error": {"code", "message", "details"?}}``.
-A malformed body is 400, a missing or bad key 401, an unknown or foreign job 404, cancelling a finished job 409, an
-oversized body 413, an unreadable content type 415, and a body that parses but breaks a rule 422 (naming the
-field). Only a dependency being down is a 5xx (503, retry later); anything unexpected is a logged 500, the last
+A malformed body is 400, a missing or bad key 401, an unknown or foreign job 404, a body that stops arriving 408,
+cancelling a finished job 409, an oversized body 413, an unreadable content type 415, a body that parses but breaks
+a rule 422 (naming the field), and a spent per-key quota 429 (with ``Retry-After``). Only a dependency being down is a 5xx (503, retry later); anything unexpected is a logged 500, the last
 resort.
 """
 
@@ -28,7 +28,9 @@ from auk_worker.errors import (
     InputError,
     MalformedBody,
     NotFound,
+    RequestTimeout,
     TooLarge,
+    TooManyRequests,
     Unauthorized,
     UnsupportedMediaType,
 )
@@ -44,9 +46,11 @@ STATUS: dict[type[AuKError], int] = {
     MalformedBody: 400,
     Unauthorized: 401,
     NotFound: 404,
+    RequestTimeout: 408,
     Conflict: 409,
     TooLarge: 413,
     UnsupportedMediaType: 415,
+    TooManyRequests: 429,
     InputError: 422,
     InfraError: 503,
 }
@@ -62,7 +66,21 @@ def status_for_error(exc: AuKError) -> int:
 
 
 def headers_for_error(exc: AuKError) -> dict[str, str] | None:
+    """The response headers of an error: ``WWW-Authenticate`` for a 401, ``Retry-After`` for a 429 (the quota's
+    own wait) or a 503."""
+    if isinstance(exc, TooManyRequests):
+        return {"Retry-After": str(exc.retry_after)}
     return next((HEADERS[cls] for cls in type(exc).__mro__ if cls in HEADERS), None)
+
+
+class BodyRefused(StarletteHTTPException):
+    """A request body cut while it was read (over its limit, or stalled): raised from the guarded ``receive`` so that
+    it passes through FastAPI's body parsing, answered as ``error`` with ``Connection: close`` (the rest of the body
+    is never read)."""
+
+    def __init__(self, error: AuKError) -> None:
+        super().__init__(status_code=status_for_error(error), detail=error.message)
+        self.error = error
 
 
 def too_large(what: str, limit: int) -> TooLarge:
@@ -176,6 +194,10 @@ async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, BodyRefused):
+        response = error_response(exc.error)
+        response.headers["Connection"] = "close"
+        return response
     codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "too_large"}
     message = exc.detail if isinstance(exc.detail, str) else "request refused"
     # FastAPI's own body parsing fails past json.loads' JSONDecodeError with a bare "error parsing the body";

@@ -1,11 +1,12 @@
 """The one submit path: every route that creates jobs (``POST /v1/jobs``, ``POST /v1/batches``) goes through here.
 
 In order, and nothing written until all of it holds: the body has passed ``JobRequest`` (bounds from ``rules.py``);
-the clip is resolved (an upload of this key, or an object in the input bucket that decodes); the length rule is
+the clip is resolved (an upload of this key, or an object in the operator's input location that decodes); the length rule is
 applied in latent frames to the clip's exact sample count and rate (``rules.target_frames``, the worker's own
 call). Then the record is written, and only then is the task sent by name: ``auk.render`` to
 ``auk.{variant}.{priority}``, or for a batch ``auk.render_group`` tasks of compatible jobs
-(``auk_worker/service/grouping.py``) on the variant's bulk queue.
+(``auk_worker/service/grouping.py``), staged per key and released to the variant's bulk queue round-robin across
+keys (``auk_worker/service/fairshare.py``).
 
 Before any of that, ``require_worker_for`` asks the workers' heartbeats whether some live worker serves the job's
 variant, so that a job no worker would ever take is refused at once (503 ``no_worker_for_variant``, naming the
@@ -28,6 +29,7 @@ import hashlib
 import logging
 from typing import Any
 
+import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
 from api.deps import Services
@@ -38,8 +40,9 @@ from auk_worker.service.celery_app import RENDER_TASK, queue_name
 from auk_worker.service.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
 from auk_worker.service.health import live_variants, read_heartbeats
 from auk_worker.service.jobs import JobRecord
+from auk_worker.service.quotas import check_queued_jobs
 from auk_worker.service.schema import JobRequest
-from auk_worker.service.storage import error_code
+from auk_worker.service.storage import error_code, input_object
 
 log = logging.getLogger(__name__)
 
@@ -93,29 +96,34 @@ class ClipResolver:
         return dict(self._by_key[key])
 
     def _inspect(self, key: str) -> dict[str, Any]:
-        bucket = self.svc.storage.input_bucket
-        size = self._input_size(bucket, key)
+        """The clip ``audio.key`` names in the operator's input location (never the service's uploads or
+        results: settings keep the two apart), its size checked before it is downloaded."""
+        bucket, object_key = input_object(self.svc.settings, key)
+        size = self._input_size(bucket, object_key, key)
         limit = self.svc.settings.max_upload_bytes
         if size > limit:
             raise InputError(f"audio.key {key!r} is {size} bytes; the limit is {limit}", code="too_large")
-        data = self.svc.storage.get_bytes(bucket, key)
+        data = self.svc.storage.get_bytes(bucket, object_key)
         clip = decode_audio(data)
-        return {"bucket": bucket, "key": key, "duration_s": round(clip.duration_s, 6), "sample_rate": clip.sample_rate,
-                "samples": len(clip.samples), "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+        return {"bucket": bucket, "key": object_key, "duration_s": round(clip.duration_s, 6),
+                "sample_rate": clip.sample_rate, "samples": len(clip.samples),
+                "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
-    def _input_size(self, bucket: str, key: str) -> int:
-        """HEAD the input object: its size, before anything is downloaded; a missing key is the caller's error."""
+    def _input_size(self, bucket: str, object_key: str, key: str) -> int:
+        """HEAD the input object: its size, before anything is downloaded; a missing key is the caller's error,
+        named as the caller gave it."""
         try:
-            head = self.svc.storage.client.head_object(Bucket=bucket, Key=key)
+            head = self.svc.storage.client.head_object(Bucket=bucket, Key=object_key)
         except ClientError as exc:
             code = error_code(exc)
             if code in ("404", "NoSuchKey", "NotFound"):
-                raise InputError(f"audio.key: no object {key!r} in the input bucket", code="audio_not_found") from None
+                message = f"audio.key: no object {key!r} in the input location"
+                raise InputError(message, code="audio_not_found") from None
             if code in ("400", "InvalidArgument", "KeyTooLongError"):  # the key itself, not the storage
                 raise InputError(f"audio.key: the storage refuses the key {key!r} ({code})", code="invalid_key") from None
-            raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
+            raise InfraError(f"storage head {bucket}/{object_key} failed: {exc}") from exc
         except BotoCoreError as exc:
-            raise InfraError(f"storage head {bucket}/{key} failed: {exc}") from exc
+            raise InfraError(f"storage head {bucket}/{object_key} failed: {exc}") from exc
         return int(head.get("ContentLength", 0))
 
 
@@ -172,6 +180,7 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
             return _same_request(existing, request, idempotency_key), False
     check_webhook_url(svc, request.webhook_url)
     require_worker_for(svc, {request.variant})
+    check_queued_jobs(svc.store, owner, 1, svc.settings.quota_queued_jobs)
     prepared = prepare(request, ClipResolver(svc, owner))
     queue = queue_name(request.variant, request.priority)
     record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
@@ -253,6 +262,7 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
         more = f" (first {len(shown)} of {len(bad)} shown)" if len(bad) > len(shown) else ""
         raise InputError(f"{len(bad)} bad line(s), nothing enqueued: line {numbers}{more}", code="invalid_batch",
                          details=shown)  # fmt: skip
+    check_queued_jobs(svc.store, owner, len(good), svc.settings.quota_queued_jobs)
     records = [
         JobRecord.new(owner, prepared, queue=queue_name(request.variant, "bulk"), custom_id=request.custom_id)
         for request, prepared in good
@@ -261,29 +271,34 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
     svc.batches.register(batch_id, owner, webhook_url)
     max_jobs, defaults = group_limits(svc.settings.deploy_config)
     groups = plan_groups(records, max_jobs, defaults) if max_jobs > 1 else [[record] for record in records]
-    for sent, group in enumerate(groups):
-        try:
-            send_group(svc, group)
-        except InfraError:
-            for unsent in groups[sent + 1:]:
-                for record in unsent:
-                    svc.store.fail(record.id, InfraError.code, "the batch could not be enqueued: the broker refused")
-            raise
+    stage_groups(svc, owner, groups)
     svc.barrier.wait(f"batch {batch_id}")
-    log.info("batch %s: %d jobs queued as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)
+    log.info("batch %s: %d jobs staged as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)
     return {"id": batch_id, "total": len(records)}
 
 
-def send_group(svc: Services, group: list[JobRecord]) -> None:
-    """One task for a group: ``auk.render`` for a lone job, ``auk.render_group`` otherwise; a refused send fails
-    the group's records (as ``send_render`` does for one)."""
+def group_task(group: list[JobRecord]) -> tuple[str, list]:
+    """The task for a group: ``auk.render`` for a lone job, ``auk.render_group`` otherwise."""
     if len(group) == 1:
-        send_render(svc, group[0])
-        return
+        return RENDER_TASK, [group[0].id]
+    return RENDER_GROUP_TASK, [[record.id for record in group]]
+
+
+def stage_groups(svc: Services, owner: str, groups: list[list[JobRecord]]) -> None:
+    """Stage a batch's tasks for the bulk feeder (``fairshare.py``: released round-robin across keys), then feed
+    once so that an idle queue starts at once. Staging refused (Redis down): the batch's records fail."""
     try:
-        svc.celery.send_task(RENDER_GROUP_TASK, args=[[record.id for record in group]], queue=group[0].queue)
-    except Exception as exc:  # the broker's connection errors vary by transport; the boundary is here
-        message = f"the job could not be enqueued: {exc}"
-        for record in group:
-            svc.store.fail(record.id, InfraError.code, message)
+        svc.fair.stage(owner, groups[0][0].queue, [group_task(group) for group in groups])
+    except redis.RedisError as exc:
+        message = f"the batch could not be enqueued: {exc}"
+        for group in groups:
+            for record in group:
+                try:
+                    svc.store.fail(record.id, InfraError.code, message)
+                except redis.RedisError:
+                    break
         raise InfraError(message) from exc
+    try:
+        svc.fair.feed(svc.send)
+    except Exception as exc:  # noqa: BLE001 - staged work is safe; a feeder thread sends it later
+        log.warning("bulk feed after staging: %s", exc)

@@ -179,8 +179,8 @@ def run_demo(args: argparse.Namespace) -> int:
         redis_server.start()
         s3.start()
         env = connection_env(
-            redis_server, s3, S3_BUCKET=BUCKET, S3_INPUT_BUCKET=BUCKET, S3_PREFIX=PREFIX, VARIANT=variant,
-            PIPELINE="auk", CHECKPOINT=str(checkpoint), DEPLOY_CONFIG=str(deploy),
+            redis_server, s3, S3_BUCKET=BUCKET, S3_INPUT_BUCKET=BUCKET, S3_INPUT_PREFIX="inputs", S3_PREFIX=PREFIX,
+            VARIANT=variant, PIPELINE="auk", CHECKPOINT=str(checkpoint), DEPLOY_CONFIG=str(deploy),
         )
         say(f"starting the worker ({variant}, {deploy.name}) and the API on 127.0.0.1:{port}")
         worker = WorkerProcess(env, "demo-worker", workdir).start()

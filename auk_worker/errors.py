@@ -86,6 +86,23 @@ class UnsupportedMediaType(InputError):
     code = "unsupported_media_type"
 
 
+class RequestTimeout(InputError):
+    """The client stopped sending its request body for longer than the service waits."""
+
+    code = "body_timeout"
+
+
+class TooManyRequests(InputError):
+    """A per-key quota is spent (request rate, requests in flight, queued jobs); ``retry_after`` says how many
+    seconds to wait before trying again."""
+
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: float, code: str | None = None, details: Any = None) -> None:
+        super().__init__(message, code=code, details=details)
+        self.retry_after = max(1, int(-(-retry_after // 1)))  # whole seconds, rounded up
+
+
 class CheckpointError(AuKError):
     """A checkpoint directory, config or weight file does not match the release layout."""
 

@@ -17,6 +17,9 @@ Keys (namespace ``auk``):
 
 - ``auk:job:{id}``            hash: the record (JSON for request/result/error/progress)
 - ``auk:owner:{owner}:jobs``  zset: job ids scored by creation time (ms), for newest-first listing
+- ``auk:owner:{owner}:status:{status}``  zset: the same, one per status, so a status-filtered listing reads only
+  its own jobs; moved by the same script as every transition (``move_status``), so it never disagrees with the
+  records. ``auk:owner:{owner}:status-indexed`` marks an owner whose older records have been indexed too.
 - ``auk:idem:{owner}:{key}``  string: the job id an idempotency key made
 - ``auk:batch:{id}``          hash: owner, total, created_at, a count per status, the terminal count, manifest key
 - ``auk:batch:{id}:jobs``     zset: the batch's job ids scored like the owner index
@@ -184,8 +187,9 @@ def _score(record: JobRecord) -> int:
     return int(stamp.timestamp() * 1000)
 
 
-# Shared Lua: move a job's batch counters from one status to another; claim the manifest when the batch's
-# terminal count reaches its total. Returns 1 when this call claimed it.
+# Shared Lua: move a job between its owner's status indexes (move_status); move its batch counters from one status
+# to another and claim the manifest when the batch's terminal count reaches its total (move_batch: returns 1 when
+# this call claimed it).
 LUA_HELPERS = """
 local function is_terminal(s)
   return s == 'succeeded' or s == 'failed' or s == 'canceled'
@@ -202,6 +206,14 @@ local function holder_state(ns, holder, job_id, held_at)
   if (tonumber(beat[4]) or 0) <= (tonumber(held_at) or 0) then return 'holds' end
   if string.find(',' .. (beat[3] or '') .. ',', ',' .. job_id .. ',', 1, true) then return 'holds' end
   return 'let go'
+end
+local function move_status(job, ns, old, new)
+  if old == new then return end
+  local id = redis.call('HGET', job, 'id')
+  local owner_index = ns .. ':owner:' .. redis.call('HGET', job, 'owner')
+  local score = redis.call('ZSCORE', owner_index .. ':jobs', id)
+  redis.call('ZREM', owner_index .. ':status:' .. old, id)
+  if score then redis.call('ZADD', owner_index .. ':status:' .. new, score, id) end
 end
 local function move_batch(job, ns, old, new, claim)
   local batch = redis.call('HGET', job, 'batch_id')
@@ -220,7 +232,9 @@ local function move_batch(job, ns, old, new, claim)
 end
 """
 
-# KEYS: job, owner index, idempotency key ('' for none). ARGV: job id, score, then field/value pairs.
+# KEYS: job, owner index, idempotency key ('' for none), the owner's index of the record's status, the owner's
+# status-indexed marker (set with an owner's first job: it has no older records to index).
+# ARGV: job id, score, job key prefix, then field/value pairs.
 _CREATE = """
 if KEYS[3] ~= '' then
   local existing = redis.call('GET', KEYS[3])
@@ -232,7 +246,9 @@ end
 local fields = {}
 for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
+if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('SET', KEYS[5], '1') end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
 if KEYS[3] ~= '' then redis.call('SET', KEYS[3], ARGV[1]) end
 return {1, redis.call('HGETALL', KEYS[1])}
 """
@@ -261,6 +277,7 @@ redis.call('SREM', ARGV[1] .. ':delivered', job)
 redis.call('SADD', ARGV[1] .. ':running', job)
 local started = redis.call('HGET', job, 'started_at')
 if (not started) or started == '' then redis.call('HSET', job, 'started_at', ARGV[2]) end
+move_status(job, ARGV[1], status, 'running')
 move_batch(job, ARGV[1], status, 'running', false)
 return redis.call('HGETALL', job)
 """
@@ -286,6 +303,7 @@ end
 redis.call('HSET', job, 'status', ARGV[2])
 if status == 'running' and ARGV[2] ~= 'running' then redis.call('SREM', ARGV[1] .. ':running', job) end
 if is_terminal(ARGV[2]) then redis.call('HSET', job, 'finished_at', ARGV[3]) end
+move_status(job, ARGV[1], status, ARGV[2])
 local claimed = move_batch(job, ARGV[1], status, ARGV[2], ARGV[4] == '1')
 return {claimed, redis.call('HGETALL', job)}
 """
@@ -324,6 +342,12 @@ class JobStore:
     def owner_key(self, owner: str) -> str:
         return f"{self.ns}:owner:{owner}:jobs"
 
+    def status_key(self, owner: str, status: JobStatus | str) -> str:
+        return f"{self.ns}:owner:{owner}:status:{JobStatus(status).value}"
+
+    def indexed_key(self, owner: str) -> str:
+        return f"{self.ns}:owner:{owner}:status-indexed"
+
     def idem_key(self, owner: str, key: str) -> str:
         return f"{self.ns}:idem:{owner}:{key}"
 
@@ -339,7 +363,8 @@ class JobStore:
         pairs = [item for pair in record._to_hash().items() for item in pair]
         idem = self.idem_key(record.owner, idempotency_key) if idempotency_key else ""
         created, flat = self._create(
-            keys=[self.job_key(record.id), self.owner_key(record.owner), idem],
+            keys=[self.job_key(record.id), self.owner_key(record.owner), idem,
+                  self.status_key(record.owner, record.status), self.indexed_key(record.owner)],
             args=[record.id, _score(record), f"{self.ns}:job:", *pairs],
         )
         return JobRecord._from_hash(_flat_to_dict(flat)), bool(created)
@@ -376,7 +401,13 @@ class JobStore:
         The cursor is opaque to callers (``"<created ms>-<job id>"``) and stays valid while new jobs arrive.
         """
         want = JobStatus(status) if status is not None else None
-        index = self.batch_jobs_key(batch_id) if batch_id else self.owner_key(owner)
+        if batch_id:
+            index = self.batch_jobs_key(batch_id)
+        elif want is not None:
+            self._ensure_status_index(owner)
+            index = self.status_key(owner, want)  # the filter below then only guards a transition mid-read
+        else:
+            index = self.owner_key(owner)
         top: float | str = "+inf"
         after: tuple[float, str] | None = None
         if cursor:
@@ -387,7 +418,10 @@ class JobStore:
             after = (float(score_s), after_id)
             top = after[0]
         out: builtins.list[tuple[JobRecord, float]] = []
-        offset, chunk = 0, max(limit + 1, 64)
+        # Every id of an owner or status index qualifies: read one page and its look-ahead; a batch filtered by
+        # status skips ids, so it reads ahead in larger chunks.
+        exact = not (batch_id and want is not None)
+        offset, chunk = 0, limit + 1 if exact else max(limit + 1, 64)
         while len(out) <= limit:
             rows = self.redis.zrevrangebyscore(index, top, "-inf", start=offset, num=chunk, withscores=True)
             if not rows:
@@ -409,6 +443,33 @@ class JobStore:
             last, score = page[-1]
             next_cursor = f"{int(score)}-{last.id}"
         return [rec for rec, _ in page], next_cursor
+
+    def count(self, owner: str, statuses: tuple[JobStatus, ...]) -> int:
+        """How many of the owner's jobs are in ``statuses`` (O(1) per status: the status indexes' sizes)."""
+        self._ensure_status_index(owner)
+        pipe = self.redis.pipeline(transaction=False)
+        for status in statuses:
+            pipe.zcard(self.status_key(owner, status))
+        return sum(pipe.execute())
+
+    def _ensure_status_index(self, owner: str) -> None:
+        """Index an owner's records written before the status indexes existed, once (then marked as done).
+
+        Transitions keep the indexes from then on; a record that moves while this runs may leave a stale entry,
+        which listings skip (they check each record's status)."""
+        marker = self.indexed_key(owner)
+        if self.redis.exists(marker):
+            return
+        offset, chunk = 0, 1000
+        while rows := self.redis.zrange(self.owner_key(owner), offset, offset + chunk - 1, withscores=True):
+            offset += len(rows)
+            records = self.get_many([job_id for job_id, _ in rows])
+            pipe = self.redis.pipeline(transaction=False)
+            for (job_id, score), record in zip(rows, records):
+                if record is not None:
+                    pipe.zadd(self.status_key(owner, record.status), {job_id: score})
+            pipe.execute()
+        self.redis.set(marker, "1")
 
     # -- transitions --------------------------------------------------------------------------------------------
     def start(self, job_id: str, worker: str = "", held_at: float | None = None) -> JobRecord | None:
@@ -486,13 +547,17 @@ class JobStore:
         """Write a batch and all its (queued) job records in one transaction; returns the batch id."""
         batch_id = new_id()
         now = utc_now()
+        first = self.redis.zcard(self.owner_key(owner)) == 0
         pipe = self.redis.pipeline(transaction=True)
+        if first:  # an owner's first jobs: nothing older to index
+            pipe.set(self.indexed_key(owner), "1")
         for position, record in enumerate(records):
             if record.owner != owner:
                 raise ValueError(f"job {record.id} belongs to another owner")
             record.batch_id = batch_id
             pipe.hset(self.job_key(record.id), mapping=record._to_hash())
             pipe.zadd(self.owner_key(owner), {record.id: _score(record)})
+            pipe.zadd(self.status_key(owner, record.status), {record.id: _score(record)})
             pipe.zadd(self.batch_jobs_key(batch_id), {record.id: position})  # submission order
         counts = {f"n_{s.value}": 0 for s in JobStatus}
         counts["n_queued"] = len(records)

@@ -153,6 +153,7 @@ if state == 'holds' then return {} end
 if state == 'dead' then redis.call('HINCRBY', job, 'kills', 1) end
 redis.call('HSET', job, 'status', 'queued', 'worker', '', 'progress', '')
 redis.call('SREM', ARGV[1] .. ':running', job)
+move_status(job, ARGV[1], 'running', 'queued')
 move_batch(job, ARGV[1], 'running', 'queued', false)
 return {tonumber(redis.call('HGET', job, 'kills'))}
 """

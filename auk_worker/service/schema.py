@@ -18,7 +18,9 @@ Priority = Literal["interactive", "bulk"]
 
 
 class AudioRef(BaseModel):
-    """The job's single clip (a voice is the other way to give one): an upload made through the API or an object key in the input bucket."""
+    """The job's single clip (a voice is the other way to give one): an upload made through the API (by id, this
+    key's own) or an object key relative to the operator's input location (``AUK_S3_INPUT_BUCKET`` +
+    ``AUK_S3_INPUT_PREFIX``)."""
 
     model_config = ConfigDict(extra="forbid")
 

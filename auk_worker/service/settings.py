@@ -73,6 +73,19 @@ def _allow_list(env: Mapping[str, str], name: str) -> str:
     return raw
 
 
+def _float(env: Mapping[str, str], name: str, default: float, minimum: float) -> float:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+    if not value >= minimum or value != value or value == float("inf"):
+        raise ConfigError(f"{name} must be a finite number of at least {minimum:g}, got {raw!r}")
+    return value
+
+
 def _url(env: Mapping[str, str], name: str, schemes: tuple[str, ...], default: str | None) -> str | None:
     raw = _get(env, name) or default
     if raw is None:
@@ -136,7 +149,8 @@ class Settings:
     s3_access_key: str | None = field(default=None, repr=False)
     s3_secret_key: str | None = field(default=None, repr=False)
     s3_bucket: str = "auk"
-    s3_input_bucket: str = "auk"
+    s3_input_bucket: str | None = None  # AUK_S3_INPUT_BUCKET: where ``audio.key`` reads; None refuses ``audio.key``
+    s3_input_prefix: str = ""  # AUK_S3_INPUT_PREFIX: ``audio.key`` is relative to it
     s3_prefix: str = ""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     visibility_timeout: int = 3600
@@ -173,6 +187,15 @@ class Settings:
     voice_cache_bytes: int = 512 * 1024 * 1024  # AUK_VOICE_CACHE_BYTES: a worker's prepared-voice cache; 0 is off
     speech_timeout_s: int = 300  # AUK_SPEECH_TIMEOUT: how long POST /v1/audio/speech waits for its render
     fetch_allow: str = ""  # AUK_FETCH_ALLOW: hosts/CIDRs a speech request's ref_audio URL may be fetched from
+    body_timeout_s: float = 15.0  # AUK_API_BODY_TIMEOUT: longest wait for the next piece of a request body
+    body_min_rate: int = 1024  # AUK_API_BODY_MIN_RATE: bytes per second a body must average past its first timeout
+    keep_alive_s: int = 5  # AUK_API_KEEP_ALIVE: an idle keep-alive connection is closed after this long
+    quota_queued_jobs: int = 50_000  # AUK_QUOTA_QUEUED_JOBS: a key's queued and running jobs (0: no limit)
+    quota_rate: float = 50.0  # AUK_QUOTA_RATE: a key's sustained requests per second (0: no limit)
+    quota_burst: int = 200  # AUK_QUOTA_BURST: requests a key may make at once above the rate
+    quota_in_flight: int = 4  # AUK_QUOTA_IN_FLIGHT: a key's requests in progress at once, per API process (0: off)
+    quota_in_flight_queue: int = 64  # AUK_QUOTA_IN_FLIGHT_QUEUE: more of a key's requests that wait for a turn
+    bulk_queue_depth: int = 8  # AUK_BULK_QUEUE_DEPTH: bulk tasks released to a variant's queue ahead of its workers
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -196,7 +219,8 @@ class Settings:
             s3_access_key=_get(env, "AUK_S3_ACCESS_KEY"),
             s3_secret_key=_get(env, "AUK_S3_SECRET_KEY"),
             s3_bucket=bucket,
-            s3_input_bucket=_get(env, "AUK_S3_INPUT_BUCKET") or bucket,
+            s3_input_bucket=_get(env, "AUK_S3_INPUT_BUCKET"),
+            s3_input_prefix=_prefix(_get(env, "AUK_S3_INPUT_PREFIX")),
             s3_prefix=_prefix(_get(env, "AUK_S3_PREFIX")),
             api_keys=api_keys,
             visibility_timeout=_int(env, "AUK_VISIBILITY_TIMEOUT", 3600, minimum=1),
@@ -227,7 +251,33 @@ class Settings:
             voice_cache_bytes=_int(env, "AUK_VOICE_CACHE_BYTES", 512 * 1024 * 1024, minimum=0),
             speech_timeout_s=_int(env, "AUK_SPEECH_TIMEOUT", 300, minimum=1),
             fetch_allow=_allow_list(env, "AUK_FETCH_ALLOW"),
-        )
+            body_timeout_s=_float(env, "AUK_API_BODY_TIMEOUT", 15.0, minimum=0.1),
+            body_min_rate=_int(env, "AUK_API_BODY_MIN_RATE", 1024, minimum=1),
+            keep_alive_s=_int(env, "AUK_API_KEEP_ALIVE", 5, minimum=1),
+            quota_queued_jobs=_int(env, "AUK_QUOTA_QUEUED_JOBS", 50_000, minimum=0),
+            quota_rate=_float(env, "AUK_QUOTA_RATE", 50.0, minimum=0),
+            quota_burst=_int(env, "AUK_QUOTA_BURST", 200, minimum=1),
+            quota_in_flight=_int(env, "AUK_QUOTA_IN_FLIGHT", 4, minimum=0),
+            quota_in_flight_queue=_int(env, "AUK_QUOTA_IN_FLIGHT_QUEUE", 64, minimum=0),
+            bulk_queue_depth=_int(env, "AUK_BULK_QUEUE_DEPTH", 8, minimum=1),
+        ).checked()
+
+    def checked(self) -> Settings:
+        """Refuse an input location that overlaps what the service writes (uploads, results, manifests): there,
+        one key's ``audio.key`` could name another key's upload or result."""
+        if self.s3_input_bucket is None:
+            if self.s3_input_prefix:
+                raise ConfigError("AUK_S3_INPUT_PREFIX is set without AUK_S3_INPUT_BUCKET")
+            return self
+        if self.s3_input_bucket == self.s3_bucket:
+            written = self.s3_prefix
+            if self.s3_input_prefix.startswith(written) or written.startswith(self.s3_input_prefix):
+                raise ConfigError(
+                    f"the input location {self.s3_input_bucket}/{self.s3_input_prefix} overlaps where the service "
+                    f"writes uploads and results ({self.s3_bucket}/{written}); give AUK_S3_INPUT_PREFIX a prefix "
+                    "outside AUK_S3_PREFIX, or AUK_S3_INPUT_BUCKET another bucket"
+                )
+        return self
 
     def require_storage(self) -> None:
         """Refuse to go on without an S3 endpoint and credentials (there are no insecure defaults)."""

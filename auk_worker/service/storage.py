@@ -13,6 +13,10 @@ request's inline reference clip), ``jobs/batch-<batch id>.manifest.jsonl`` (the 
 again, in the worker and with what it already holds (a rendered WAV stays in memory; nothing is rendered again),
 after a capped exponential backoff with jitter, until storage has refused for ``AUK_STORAGE_RETRY_DEADLINE``
 seconds without a success in between; then ``StorageUnavailable`` fails the job.
+
+Callers' ``audio.key`` names an object in the operator's input location only (``AUK_S3_INPUT_BUCKET`` +
+``AUK_S3_INPUT_PREFIX``, the key relative to the prefix), which settings keep apart from everything above: a key's
+uploads and results are never another key's input. Without an input location, ``audio.key`` is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from auk_worker.errors import InfraError, InputError, StorageUnavailable
+from auk_worker.service import presign
 from auk_worker.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -76,14 +81,27 @@ def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
+def input_object(settings: Settings, key: str) -> tuple[str, str]:
+    """``(bucket, object key)`` that a request's ``audio.key`` names: the key under the input prefix, in the input
+    bucket. ``InputError`` (``audio_key_disabled``) when the operator has named no input location."""
+    if settings.s3_input_bucket is None:
+        raise InputError("audio.key is not enabled on this service (no input location is configured): upload the "
+                         "clip with POST /v1/uploads and send audio.upload_id", code="audio_key_disabled")  # fmt: skip
+    return settings.s3_input_bucket, f"{settings.s3_input_prefix}{key}"
+
+
 class Storage:
-    """One bucket for results and uploads, optionally a second bucket the callers' input keys refer to."""
+    """One bucket for results and uploads; the input location, when configured, for callers' ``audio.key``."""
 
     def __init__(self, settings: Settings, client: Any | None = None) -> None:
         settings.require_storage()
         self.bucket = settings.s3_bucket
-        self.input_bucket = settings.s3_input_bucket
+        self.input_bucket = settings.s3_input_bucket  # None: no input location, ``audio.key`` is refused
         self.prefix = settings.s3_prefix
+        self.endpoint = settings.s3_endpoint
+        self.region = settings.s3_region
+        self._access_key = settings.s3_access_key
+        self._secret_key = settings.s3_secret_key
         self.client = client or boto3.client(
             "s3",
             endpoint_url=settings.s3_endpoint,
@@ -114,7 +132,7 @@ class Storage:
 
     def ensure_buckets(self) -> None:
         """Create the result bucket (and the input bucket) if they do not exist yet."""
-        for bucket in dict.fromkeys((self.bucket, self.input_bucket)):
+        for bucket in dict.fromkeys(b for b in (self.bucket, self.input_bucket) if b):
             try:
                 self.client.head_bucket(Bucket=bucket)
                 continue
@@ -187,13 +205,10 @@ class Storage:
         return keys
 
     def presign_get(self, key: str, expires: int, bucket: str | None = None) -> str:
-        return self._call(
-            f"presign {key}",
-            self.client.generate_presigned_url,
-            ClientMethod="get_object",
-            Params={"Bucket": bucket or self.bucket, "Key": key},
-            ExpiresIn=expires,
-        )
+        """A GET URL for ``key`` valid ``expires`` seconds, signed locally (``presign.py``: botocore's signature,
+        without its millisecond a URL)."""
+        return presign.presign_get(self.endpoint, self.region, self._access_key, self._secret_key,
+                                   bucket or self.bucket, key, expires)  # fmt: skip
 
     def ping(self) -> bool:
         """True when the store answers and the result bucket is reachable."""

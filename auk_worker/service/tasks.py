@@ -62,7 +62,7 @@ from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier
 from auk_worker.service.replies import ReplySender
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, StorageWait, result_key, upload_key
+from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
 
@@ -372,7 +372,7 @@ def _load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | No
     elif request.audio.upload_id is not None:
         data = rt.storage.get_bytes(rt.storage.bucket, upload_key(rt.settings.s3_prefix, request.audio.upload_id))
     else:
-        data = rt.storage.get_bytes(rt.storage.input_bucket, request.audio.key)
+        data = rt.storage.get_bytes(*input_object(rt.settings, request.audio.key))
     digest = hashlib.sha256(data).hexdigest()
     decoded = dataclasses.replace(decode_audio(data), key=digest)
     if cache is not None:

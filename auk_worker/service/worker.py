@@ -5,7 +5,8 @@ process (the solo pool renders in the main process, so nothing forks after CUDA 
 does the consumer start; the heartbeat says ``ready`` once Celery is consuming. A pipeline that fails to load
 leaves the heartbeat at ``failed`` with the error, and the process exits with status 1.
 
-The worker consumes only its variant's queues, recovery before interactive before bulk. SIGTERM is Celery's warm
+The worker consumes only its variant's queues, recovery before interactive before bulk, and runs a bulk
+feeder (``fairshare.py``) that releases staged batch tasks round-robin across keys. SIGTERM is Celery's warm
 shutdown: the running job finishes and is acknowledged, then the process exits.
 
 Identity: ``AUK_WORKER_ID`` (or ``--worker-id``, alias ``--hostname``) names the heartbeat; by default it is
@@ -38,6 +39,7 @@ from auk_worker.errors import AuKError, ConfigError, InfraError
 from auk_worker.service.caches import use_compile_caches
 from auk_worker.service.celery_app import RENDER_TASK, make_celery, worker_queues
 from auk_worker.service.grouping import RENDER_GROUP_TASK
+from auk_worker.service.fairshare import FairShare, Feeder
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
@@ -210,6 +212,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
                             holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
                             voice_cache=voice_cache)  # fmt: skip
     register(app, runtime)
+    feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
+    signals.task_postrun.connect(feeder.nudge, weak=False)  # a finished task makes room in the bulk queue
 
     def on_ready(**_: object) -> None:
         heartbeat.set("ready")
@@ -244,8 +248,16 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     try:
         worker.start()
     finally:
+        feeder.stop()
         heartbeat.stop(remove=True)
     return int(worker.exitcode or 0)
+
+
+def _sender(app):
+    def send(task: str, args: list, queue: str) -> None:
+        app.send_task(task, args=args, queue=queue)
+
+    return send
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -37,6 +37,7 @@ from tests.service.harness import (
 
 KEY_A, KEY_B, KEY_C = "key-alpha-0123456789", "key-bravo-0123456789", "key-charlie-0123456789"
 PREFIX = "test-api"
+INPUTS = "inputs/"  # the operator's input location in the bucket: audio.key is relative to it
 MAX_UPLOAD = 256 * 1024
 SR = 24_000
 HOP = 480
@@ -76,7 +77,7 @@ def service(
     env = connection_env(
         redis_server, s3_server, S3_BUCKET=BUCKET, S3_PREFIX=PREFIX, VARIANT="base", PIPELINE="auk",
         CHECKPOINT=str(tiny_checkpoint), DEPLOY_CONFIG=str(REPO / "config" / "auk.yaml"), VISIBILITY_TIMEOUT="60",
-        RETRY_BACKOFF="0.5",
+        RETRY_BACKOFF="0.5", S3_INPUT_BUCKET=BUCKET, S3_INPUT_PREFIX=INPUTS,
     )
     client = redis_server.client()
     client.flushdb()
@@ -270,10 +271,11 @@ def test_job_from_an_input_bucket_key(service: Service) -> None:
     s3.put_object(Bucket=BUCKET, Key="inputs/readme.txt", Body=b"not a sound at all")
     with service.client() as http:
         job = http.post("/v1/jobs", json={"instruction": "Same voice.", "num_inference_steps": 1, "gen_seconds": 0.3,
-                                          "audio": {"key": "inputs/ref-0.5s.flac"}})  # fmt: skip
+                                          "audio": {"key": "ref-0.5s.flac"}})  # fmt: skip
         assert job.status_code == 202, job.text
         assert job.json()["request"]["clip"]["duration_s"] == pytest.approx(0.5)
-        text = http.post("/v1/jobs", json={"instruction": "x", "audio": {"key": "inputs/readme.txt"}})
+        assert job.json()["request"]["clip"]["key"] == f"{INPUTS}ref-0.5s.flac"
+        text = http.post("/v1/jobs", json={"instruction": "x", "audio": {"key": "readme.txt"}})
         assert text.status_code == 422 and "not audio" in error_of(text)["message"]
     done = wait_job(service, job.json()["id"])
     assert done["status"] == "succeeded", done["error"]
@@ -541,6 +543,12 @@ def test_client_cli_submit_wait_fetch(service: Service, tmp_path: Path, monkeypa
     assert main_client("status", ["no-such-id"]) == 1
 
 
+def _with_inputs(settings):
+    import dataclasses
+
+    return dataclasses.replace(settings, s3_input_bucket=BUCKET, s3_input_prefix=INPUTS)
+
+
 def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
     """A key the S3 server answers with 400 (here one with a '..' segment, sent past the schema that refuses it)
     is a 422 naming the key, not a 503 that would invite retries."""
@@ -552,7 +560,7 @@ def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
     audio = AudioRef.model_construct(upload_id=None, key="clips/../x.wav")
     request = JobRequest.model_construct(instruction="x", audio=audio, gen_seconds=None)
     with pytest.raises(InputError, match="refuses the key 'clips/../x.wav'") as refused:
-        ClipResolver(build_services(settings), "owner").resolve(request)
+        ClipResolver(build_services(_with_inputs(settings)), "owner").resolve(request)
     assert refused.value.code == "invalid_key"
 
 
@@ -564,8 +572,8 @@ def test_a_bad_key_named_on_many_batch_lines_is_fetched_once(settings) -> None:
     from auk_worker.errors import AudioError, InputError
     from auk_worker.service.schema import AudioRef, JobRequest
 
-    svc = build_services(settings)
-    svc.storage.client.put_object(Bucket=svc.storage.input_bucket, Key="probe/garbage.wav", Body=b"\x07" * 4096)
+    svc = build_services(_with_inputs(settings))
+    svc.storage.client.put_object(Bucket=BUCKET, Key=f"{INPUTS}probe/garbage.wav", Body=b"\x07" * 4096)
     fetched = []
     get_bytes = svc.storage.get_bytes
     svc.storage.get_bytes = lambda bucket, key: fetched.append(key) or get_bytes(bucket, key)
@@ -579,4 +587,4 @@ def test_a_bad_key_named_on_many_batch_lines_is_fetched_once(settings) -> None:
                 resolver.resolve(request)
             messages.add(raised.value.message)
         assert len(messages) == 1, messages  # the same error every time
-    assert fetched == ["probe/garbage.wav"]  # fetched once; the missing key never got past its HEAD
+    assert fetched == [f"{INPUTS}probe/garbage.wav"]  # fetched once; the missing key never got past its HEAD

@@ -135,12 +135,13 @@ def test_group_renders_in_one_task_matching_single_renders(
 
 
 def test_bad_clip_fails_alone_in_its_group(start_worker, store, settings, storage, redis_client) -> None:
-    worker = start_worker("w-group-bad")
+    inputs = f"operator-inputs/{settings.s3_prefix}"  # the input location, apart from the service's own objects
+    worker = start_worker("w-group-bad", AUK_S3_INPUT_BUCKET=settings.s3_bucket, AUK_S3_INPUT_PREFIX=inputs)
     worker.wait_state(redis_client, "ready", timeout=60)
-    not_audio = f"{settings.s3_prefix}inputs/notes.txt"
-    storage.put_bytes(not_audio, b"a grocery list, not a recording\n" * 20, "text/plain")
+    storage.client.put_object(Bucket=settings.s3_bucket, Key=f"{inputs}notes.txt",
+                              Body=b"a grocery list, not a recording\n" * 20)  # fmt: skip
     good_a = create(store, gen_seconds=0.4)
-    bad = create(store, audio={"key": not_audio}, gen_seconds=0.5)
+    bad = create(store, audio={"key": "notes.txt"}, gen_seconds=0.5)
     good_b = create(store, gen_seconds=0.6)
     send_group(settings, [good_a, bad, good_b])
 

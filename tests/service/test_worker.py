@@ -237,13 +237,14 @@ def test_sigkill_mid_job_second_worker_finishes_it(start_worker, store, settings
 
 
 def test_bad_input_fails_at_once_and_worker_goes_on(start_worker, store, settings, storage, redis_client) -> None:
-    worker = start_worker("w-bad")
+    inputs = f"operator-inputs/{settings.s3_prefix}"  # the input location, apart from the service's own objects
+    worker = start_worker("w-bad", AUK_S3_INPUT_BUCKET=settings.s3_bucket, AUK_S3_INPUT_PREFIX=inputs)
     worker.wait_state(redis_client, "ready", timeout=60)
-    not_audio = f"{settings.s3_prefix}inputs/notes.txt"
-    storage.put_bytes(not_audio, b"this is a shopping list, not a recording\n" * 20, "text/plain")
+    storage.client.put_object(Bucket=settings.s3_bucket, Key=f"{inputs}notes.txt",
+                              Body=b"this is a shopping list, not a recording\n" * 20)  # fmt: skip
 
-    bad = submit(store, settings, audio={"key": not_audio}, gen_seconds=0.5)
-    missing = submit(store, settings, audio={"key": f"{settings.s3_prefix}inputs/absent.wav"})
+    bad = submit(store, settings, audio={"key": "notes.txt"}, gen_seconds=0.5)
+    missing = submit(store, settings, audio={"key": "absent.wav"})
     good = submit(store, settings, gen_seconds=0.3)
 
     done = wait_terminal(store, bad.id)
