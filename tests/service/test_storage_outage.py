@@ -15,7 +15,7 @@ import numpy as np
 
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.storage import result_key, upload_key
-from auk_worker.wav import write_wav
+from auk_worker.formats import encode
 from tests.service.test_groups import BULK, create, send_group
 from tests.service.test_worker import broker_idle, expected_samples, make_record, read_wav, send, wait_for, wavs
 
@@ -41,7 +41,7 @@ def outage_env(**overrides: str) -> dict[str, str]:
 
 def put_clip(storage, prefix: str, upload_id: str, seconds: float = 0.5) -> None:
     t = np.arange(int(24_000 * seconds), dtype=np.float32) / 24_000
-    storage.put_bytes(upload_key(prefix, upload_id), write_wav(0.3 * np.sin(2 * np.pi * 220 * t), 24_000, "pcm16"),
+    storage.put_bytes(upload_key(prefix, upload_id), encode(0.3 * np.sin(2 * np.pi * 220 * t), "wav", 24_000),
                       "audio/wav")  # fmt: skip
 
 

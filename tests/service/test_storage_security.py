@@ -15,14 +15,14 @@ import httpx
 import numpy as np
 
 from auk_worker.service.local import GRPC_OFFSET, S3Server
-from auk_worker.wav import write_wav
+from auk_worker.formats import encode
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + an empty SETTINGS
 
 
 def wav_bytes(seconds: float) -> bytes:
     noise = np.random.default_rng(0).uniform(-0.5, 0.5, int(24_000 * seconds)).astype(np.float32)
-    return write_wav(noise, 24_000, "float32")
+    return encode(noise, "wav_float", 24_000)
 
 
 def speaks_plain_grpc(connect: socket.socket) -> bool:
