@@ -21,8 +21,11 @@ from api.auth import KeyRing
 from api.deps import build_services, start_dispatcher
 from api.errors import error_response, install_error_handlers, too_large
 from api.links import LinkSigner
-from api.routes import batch_manage, batch_page, batches, health, jobs, speech, uploads, voices, webhooks
+from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads, voices,
+                        webhooks)
 from auk_worker.errors import InfraError
+from auk_worker.service import retention
+from auk_worker.service.metrics import ApiMetrics, RequestMetricsMiddleware
 from auk_worker.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,9 +47,11 @@ def create_app(settings: Settings) -> FastAPI:
         except InfraError as exc:  # the API still starts; /readyz reports storage until it answers
             log.warning("storage: buckets not checked at start-up: %s", exc)
         dispatcher = start_dispatcher(built)
+        _, stop_sweeper = retention.start_background(settings, built.store, built.storage)
         try:
             yield
         finally:
+            stop_sweeper.set()
             if dispatcher is not None:
                 dispatcher.close()
             built.redis.close()
@@ -62,7 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    for routes in (uploads, jobs, batch_manage, batches, batch_page, webhooks, speech, voices, health):
+    for routes in (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics):
         app.include_router(routes.router)
 
     # (what, limit): the upload and the batch are checked again while read; this refuses early on the header.
@@ -84,6 +89,8 @@ def create_app(settings: Settings) -> FastAPI:
             return error_response(too_large(what, limit))
         return await call_next(request)
 
+    app.state.metrics = ApiMetrics(built.redis, built.store.stats_key())
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: a 413 is counted too
     return app
 
 

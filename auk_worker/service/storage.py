@@ -103,6 +103,16 @@ class Storage:
             ),
         )
         self.client.meta.events.register("before-sign.s3.PutObject", _send_body_at_once)
+        # Presigned URLs name the host they were signed for: the public endpoint (AUK_S3_PUBLIC_ENDPOINT) when the
+        # service reaches the store under a name its callers cannot resolve (compose's http://seaweedfs:8333).
+        # Signing is local: this client never connects.
+        self.presign_client = self.client
+        if settings.s3_public_endpoint:
+            self.presign_client = boto3.client(
+                "s3", endpoint_url=settings.s3_public_endpoint, region_name=settings.s3_region,
+                aws_access_key_id=settings.s3_access_key, aws_secret_access_key=settings.s3_secret_key,
+                config=self.client.meta.config,
+            )  # fmt: skip
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         try:
@@ -169,6 +179,21 @@ class Storage:
         except BotoCoreError as exc:
             raise InfraError(f"storage head {key} failed: {exc}") from exc
 
+    def open(self, key: str, byte_range: str | None = None) -> dict[str, Any] | None:
+        """A GET of ``key`` in the result bucket whose ``Body`` streams (``byte_range``: an HTTP ``Range`` value), or
+        None when the object does not exist. A range past the end raises the ``ClientError`` (``InvalidRange``)."""
+        extra = {"Range": byte_range} if byte_range else {}
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key, **extra)
+        except ClientError as exc:
+            if error_code(exc) in _MISSING_CODES:
+                return None
+            if error_code(exc) == "InvalidRange":
+                raise
+            raise InfraError(f"storage get {key} failed: {error_code(exc)}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage get {key} failed: {exc}") from exc
+
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
@@ -189,7 +214,7 @@ class Storage:
     def presign_get(self, key: str, expires: int, bucket: str | None = None) -> str:
         return self._call(
             f"presign {key}",
-            self.client.generate_presigned_url,
+            self.presign_client.generate_presigned_url,
             ClientMethod="get_object",
             Params={"Bucket": bucket or self.bucket, "Key": key},
             ExpiresIn=expires,
