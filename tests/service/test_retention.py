@@ -1,0 +1,143 @@
+"""Retention with short periods against the session's redis-server and SeaweedFS: finished records, their keys and
+index entries, uploads and objects go away after their periods, and what is still live or outside the swept
+prefixes stays."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import redis
+
+from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.retention import Sweeper, apply_lifecycle, lifecycle_rule_id
+from auk_worker.service.settings import Settings
+from auk_worker.service.storage import Storage
+from auk_worker.service.uploads import Upload, UploadStore
+
+OWNER, OTHER = "owner-aaaaaaaaaa", "owner-bbbbbbbbbb"
+
+
+def _job(store: JobStore, owner: str = OWNER, idem: str | None = None) -> JobRecord:
+    record, created = store.create(JobRecord.new(owner, {"instruction": "hello", "gen_seconds": 1.0}), idem)
+    assert created
+    return record
+
+
+def _finish(store: JobStore, record: JobRecord) -> None:
+    assert store.start(record.id, "w:1") is not None
+    assert store.finish(record.id, {"key": f"jobs/{record.id}.wav"}).changed
+
+
+def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: redis.Redis, settings: Settings) -> None:
+    store = JobStore(redis_client, retain_s=2)
+    done = _job(store, idem="idem-done")
+    _finish(store, done)
+    failed = _job(store)
+    assert store.fail(failed.id, "bad_audio", "the clip is silent").changed
+    canceled = _job(store, owner=OTHER)
+    assert store.cancel(canceled.id, OTHER) is not None
+    queued = _job(store, idem="idem-queued")
+    running = _job(store)
+    assert store.start(running.id, "w:1") is not None
+    batch_jobs = [JobRecord.new(OWNER, {"instruction": f"line {i}"}, custom_id=f"c{i}") for i in range(2)]
+    batch_id = store.create_batch(OWNER, batch_jobs)
+    for record in batch_jobs:
+        _finish(store, record)
+    # A record finished by a store without retention (before it was configured): the sweeper gives it a TTL.
+    legacy = _job(JobStore(redis_client))
+    _finish(JobStore(redis_client), legacy)
+
+    ttl = redis_client.ttl
+    assert 0 < ttl(store.job_key(done.id)) <= 2 and 0 < ttl(store.idem_key(OWNER, "idem-done")) <= 2
+    assert 0 < ttl(store.job_key(failed.id)) <= 2 and 0 < ttl(store.job_key(canceled.id)) <= 2
+    assert 0 < ttl(store.batch_key(batch_id)) <= 2 and 0 < ttl(store.batch_jobs_key(batch_id)) <= 2
+    for key in (store.job_key(queued.id), store.idem_key(OWNER, "idem-queued"), store.job_key(running.id),
+                store.job_key(legacy.id), store.owner_key(OWNER)):  # fmt: skip
+        assert ttl(key) == -1, key
+    stats = redis_client.hgetall(store.stats_key())
+    assert stats == {"submitted": "8", "succeeded": "4", "failed": "1", "canceled": "1"}
+
+    time.sleep(2.5)
+    for key in (store.job_key(done.id), store.idem_key(OWNER, "idem-done"), store.job_key(failed.id),
+                store.job_key(canceled.id), store.batch_key(batch_id), store.batch_jobs_key(batch_id),
+                *(store.job_key(r.id) for r in batch_jobs)):  # fmt: skip
+        assert not redis_client.exists(key), key
+    assert store.get(queued.id).status == JobStatus.QUEUED and store.get(running.id).status == JobStatus.RUNNING
+    assert store.by_idempotency_key(OWNER, "idem-queued").id == queued.id
+    assert store.get_batch(batch_id) is None
+    # Listings skip expired ids before any sweep; the index still holds them until the sweeper runs.
+    listed, _ = store.list(OWNER)
+    assert {r.id for r in listed} == {queued.id, running.id, legacy.id}
+    assert redis_client.zcard(store.owner_key(OWNER)) == 7
+
+    swept = dataclasses.replace(settings, retain_records_s=2)
+    report = Sweeper(swept, store, storage=None).sweep()
+    assert report.index_entries_removed == 5 and report.ttls_set == 1  # 4 of OWNER's, 1 of OTHER's; legacy
+    assert set(redis_client.zrange(store.owner_key(OWNER), 0, -1)) == {queued.id, running.id, legacy.id}
+    assert redis_client.zcard(store.owner_key(OTHER)) == 0
+    assert 0 < ttl(store.job_key(legacy.id)) <= 1  # finished 2.5 s ago: its period is already over
+    time.sleep(1.2)
+    assert store.get(legacy.id) is None and store.get(queued.id) is not None
+    assert Sweeper(swept, store, storage=None).sweep().index_entries_removed == 1
+    assert redis_client.hgetall(store.stats_key())["succeeded"] == "4"  # a late TTL does not count a job twice
+
+
+def test_upload_records_expire(redis_client: redis.Redis) -> None:
+    uploads = UploadStore(redis_client, retain_s=1)
+    upload = Upload("u1", OWNER, "p/uploads/u1", 1.0, 16000, 16000, 1)
+    uploads.add(upload)
+    assert uploads.get("u1", OWNER) == upload and 0 < redis_client.ttl(uploads.key("u1")) <= 1
+    time.sleep(1.3)
+    assert uploads.get("u1", OWNER) is None
+
+
+def test_sweeper_deletes_old_objects_under_the_retained_prefixes_only(settings: Settings, storage: Storage,
+                                                                       redis_client: redis.Redis) -> None:  # fmt: skip
+    prefix = settings.s3_prefix
+    old = [f"{prefix}uploads/old-clip", f"{prefix}jobs/old.wav", f"{prefix}jobs/batch-b1.manifest.jsonl"]
+    kept_elsewhere = [f"{prefix}other/keep.bin", f"x{prefix}jobs/another-deployment.wav", f"{prefix}uploadsX/k"]
+    for key in old + kept_elsewhere:
+        storage.put_bytes(key, b"data", "application/octet-stream")
+    time.sleep(2.2)
+    fresh = [f"{prefix}uploads/new-clip", f"{prefix}jobs/new.wav"]
+    for key in fresh:
+        storage.put_bytes(key, b"data", "application/octet-stream")
+
+    swept = dataclasses.replace(settings, retain_uploads_s=2, retain_results_s=2)
+    report = Sweeper(swept, JobStore(redis_client), storage).sweep()
+    assert report.objects_deleted == {f"{prefix}uploads/": 1, f"{prefix}jobs/": 2}
+    for key in old:
+        assert not storage.exists(key), key
+    for key in fresh + kept_elsewhere:
+        assert storage.exists(key), key
+    # A period of 0 keeps everything under its prefix.
+    keep = dataclasses.replace(settings, retain_uploads_s=0, retain_results_s=0)
+    assert Sweeper(keep, JobStore(redis_client), storage).sweep().objects_deleted == {}
+
+
+def test_lifecycle_rules_on_seaweedfs_keep_the_buckets_other_rules(settings: Settings, storage: Storage,
+                                                                   redis_client: redis.Redis) -> None:  # fmt: skip
+    """SeaweedFS takes bucket lifecycle rules: whole-day periods become rules (the sweeper then skips those
+    prefixes); a rule someone else put on the bucket stays; a sub-day period stays with the sweeper."""
+    client, bucket = storage.client, storage.bucket
+    foreign = {"ID": "someone-else", "Filter": {"Prefix": "logs/"}, "Status": "Enabled", "Expiration": {"Days": 3}}
+    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [foreign]})
+    try:
+        days = dataclasses.replace(settings, retain_uploads_s=7 * 86400, retain_results_s=3600)
+        applied = apply_lifecycle(storage, days)
+        uploads = f"{settings.s3_prefix}uploads/"
+        assert applied == {uploads}
+        rules = {r["ID"]: r for r in client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+        assert rules[lifecycle_rule_id(uploads)]["Expiration"] == {"Days": 7}
+        assert rules[lifecycle_rule_id(uploads)]["Filter"] == {"Prefix": uploads}
+        assert "someone-else" in rules and len(rules) == 2
+        assert apply_lifecycle(storage, days) == {uploads}  # applying again replaces our rule, adds none
+        assert len(client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == 2
+
+        old = f"{settings.s3_prefix}jobs/old.wav"
+        storage.put_bytes(old, b"data", "audio/wav")
+        report = Sweeper(days, JobStore(redis_client), storage, applied).sweep()  # results: an hour, swept
+        assert report.objects_deleted == {f"{settings.s3_prefix}jobs/": 0} and storage.exists(old)
+    finally:
+        client.delete_bucket_lifecycle(Bucket=bucket)
