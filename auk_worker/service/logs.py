@@ -27,7 +27,8 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _job: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("auk_log_job", default={})
 _identity: dict[str, str] = {}
 # Attributes every LogRecord has: what is left on a record besides these came from ``extra``.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName",
+                                                                                  "color_message"}  # uvicorn
 
 
 def set_identity(**fields: str) -> None:
@@ -95,4 +96,5 @@ def configure_logging(log_format: str | None, level: str | int = "INFO") -> str:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level if isinstance(level, int) else level.upper())
+    logging.captureWarnings(True)  # Python warnings (Celery's among them) become log lines in the same format
     return chosen
