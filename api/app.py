@@ -21,8 +21,8 @@ from api.auth import KeyRing
 from api.deps import build_services, start_dispatcher
 from api.errors import error_response, install_error_handlers, too_large
 from api.links import LinkSigner
-from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads, voices,
-                        webhooks)
+from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
+                        voices, webhooks)
 from auk_worker.errors import InfraError
 from auk_worker.service import retention
 from auk_worker.service.metrics import ApiMetrics, RequestMetricsMiddleware
@@ -67,7 +67,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    for routes in (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics):
+    routers = (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics)
+    for routes in routers:
         app.include_router(routes.router)
 
     # (what, limit): the upload and the batch are checked again while read; this refuses early on the header.
