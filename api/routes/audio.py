@@ -30,8 +30,11 @@ CHUNK = 64 * 1024
 
 @router.get("/jobs/{job_id}/audio", summary="Download a finished job's audio through the API",
             response_class=StreamingResponse,
-            responses={200: {"content": {"audio/wav": {}}, "description": "the rendered audio"},
-                       206: {"description": "the requested byte range"}})  # fmt: skip
+            responses={200: {"content": {"audio/*": {}}, "description": "the rendered audio, in the job's format"},
+                       206: {"content": {"audio/*": {}}, "description": "the requested byte range"},
+                       404: {"description": "no such job for this key, or its audio has expired"},
+                       409: {"description": "the job has not succeeded"},
+                       416: {"description": "the range lies past the end of the audio"}})  # fmt: skip
 def get_audio(
     job_id: str,
     owner: str = Depends(caller),

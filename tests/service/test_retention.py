@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
 import redis
 
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
@@ -122,18 +123,25 @@ def test_lifecycle_rules_on_seaweedfs_keep_the_buckets_other_rules(settings: Set
     prefixes); a rule someone else put on the bucket stays; a sub-day period stays with the sweeper."""
     client, bucket = storage.client, storage.bucket
     foreign = {"ID": "someone-else", "Filter": {"Prefix": "logs/"}, "Status": "Enabled", "Expiration": {"Days": 3}}
-    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [foreign]})
+    try:  # the session's bucket may hold the rules of other tests' APIs: they stay too
+        present = client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    except client.exceptions.ClientError:
+        present = []
+    rules = [r for r in present if r["ID"] != foreign["ID"]] + [foreign]
+    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": rules})
     try:
         days = dataclasses.replace(settings, retain_uploads_s=7 * 86400, retain_results_s=3600)
         applied = apply_lifecycle(storage, days)
-        uploads = f"{settings.s3_prefix}uploads/"
+        prefix = settings.s3_prefix
+        uploads = f"{prefix}uploads/"
         assert applied == {uploads}
         rules = {r["ID"]: r for r in client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
         assert rules[lifecycle_rule_id(uploads)]["Expiration"] == {"Days": 7}
         assert rules[lifecycle_rule_id(uploads)]["Filter"] == {"Prefix": uploads}
-        assert "someone-else" in rules and len(rules) == 2
+        assert rules["someone-else"]["Expiration"] == {"Days": 3} and lifecycle_rule_id(f"{prefix}jobs/") not in rules
+        count = len(rules)
         assert apply_lifecycle(storage, days) == {uploads}  # applying again replaces our rule, adds none
-        assert len(client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == 2
+        assert len(client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]) == count
 
         old = f"{settings.s3_prefix}jobs/old.wav"
         storage.put_bytes(old, b"data", "audio/wav")
@@ -141,3 +149,18 @@ def test_lifecycle_rules_on_seaweedfs_keep_the_buckets_other_rules(settings: Set
         assert report.objects_deleted == {f"{settings.s3_prefix}jobs/": 0} and storage.exists(old)
     finally:
         client.delete_bucket_lifecycle(Bucket=bucket)
+
+
+def test_retention_periods_parse_with_units_and_zero_keeps_forever() -> None:
+    from auk_worker.errors import ConfigError
+
+    defaults = Settings.from_env({})
+    assert (defaults.retain_records_s, defaults.retain_uploads_s, defaults.retain_results_s) == (
+        30 * 86400, 7 * 86400, 30 * 86400)
+    parsed = Settings.from_env({"AUK_RETAIN_RECORDS": "36h", "AUK_RETAIN_UPLOADS": "0", "AUK_RETAIN_RESULTS": "90",
+                                "AUK_RETAIN_SWEEP_INTERVAL": "15m"})  # fmt: skip
+    assert (parsed.retain_records_s, parsed.retain_uploads_s, parsed.retain_results_s) == (36 * 3600, 0, 90)
+    assert parsed.retain_sweep_interval_s == 900
+    for bad in ("-1d", "1.5d", "a week", "7w"):
+        with pytest.raises(ConfigError, match="AUK_RETAIN_RECORDS"):
+            Settings.from_env({"AUK_RETAIN_RECORDS": bad})
