@@ -17,7 +17,7 @@ and read from Redis at each scrape, so every API replica reports the same cluste
 Worker (an HTTP server on ``AUK_METRICS_PORT``, in the process that renders):
 
 - ``auk_worker_jobs_total{outcome}``: ``succeeded``, ``failed``, ``canceled``, ``retried`` (an infrastructure error
-  sent it back), ``skipped`` (a delivery of a job already finished);
+  sent it back), ``skipped`` (a delivery of a job already finished, or whose record has expired);
 - ``auk_worker_stage_seconds{stage}``: histogram per stage: ``fetch`` (record and clip), ``render`` (the pipeline
   call), ``upload`` (WAV and record), and the pipeline's own stages (``encode``, ``vae_encode``, ``dit``, ``decode``);
 - ``auk_worker_job_seconds``: histogram of a job's time from its start to its recorded success;

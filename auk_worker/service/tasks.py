@@ -440,6 +440,7 @@ def _result(rt: RenderRuntime, key: str, request: JobRequest, result: RenderResu
 
 def _skip(rt: RenderRuntime, job_id: str) -> None:
     """A delivery of a terminal (or unknown) job, or of one a live worker holds: acknowledge it without rendering."""
+    rt.metrics.outcome("skipped")
     record = rt.store.get(job_id)
     if record is None:
         log.warning("job %s: no record; message dropped", job_id)
@@ -448,7 +449,6 @@ def _skip(rt: RenderRuntime, job_id: str) -> None:
         log.info("job %s: held by %s, which is alive; this delivery is dropped", job_id, record.worker)
         return
     log.info("job %s: already %s; not rendered again", job_id, record.status.value)
-    rt.metrics.outcome("skipped")
     _after_terminal(rt, job_id, record)
 
 
