@@ -66,7 +66,7 @@ def build_services(settings: Settings) -> Services:
         celery=make_celery(settings),
         batches=BatchBook(store),
         notifier=notifier,
-        webhooks=WebhookStore(client, policy=policy),
+        webhooks=WebhookStore(client, policy=policy, retain_s=settings.retain_records_s),
         webhook_secrets=WebhookSecrets(client),
         webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),
         barrier=ReplicationBarrier.from_settings(client, settings),

@@ -164,3 +164,18 @@ def test_retention_periods_parse_with_units_and_zero_keeps_forever() -> None:
     for bad in ("-1d", "1.5d", "a week", "7w"):
         with pytest.raises(ConfigError, match="AUK_RETAIN_RECORDS"):
             Settings.from_env({"AUK_RETAIN_RECORDS": bad})
+
+
+def test_ended_webhook_deliveries_expire_and_pending_ones_stay(redis_client: redis.Redis) -> None:
+    from auk_worker.service.webhooks import WebhookStore
+
+    deliveries = WebhookStore(redis_client, retain_s=1)
+    sent = deliveries.enqueue(OWNER, "https://example.test/hook", "job.succeeded", {"id": "j1"})
+    retried = deliveries.enqueue(OWNER, "https://example.test/hook", "job.failed", {"id": "j2"})
+    outcomes = {sent: "delivered", retried: "retry"}
+    for _ in range(2):
+        delivery, token = deliveries.claim(lease_s=30)
+        assert deliveries.finish(delivery, token, outcomes[delivery.id], delay_s=60, status=200)
+    assert 0 < redis_client.ttl(deliveries.key(sent)) <= 1 and redis_client.ttl(deliveries.key(retried)) == -1
+    time.sleep(1.3)
+    assert deliveries.get(sent) is None and deliveries.get(retried).state == "pending"
