@@ -17,7 +17,7 @@ What Redis cannot expire on its own is swept here every ``AUK_RETAIN_SWEEP_INTER
   sweeper lists ``<prefix>uploads/`` and ``<prefix>jobs/`` and deletes what is older than the period.
 
 The API runs the sweeper in a background thread (one API replica per interval holds a Redis lock); ``python -m
-auk_worker.service.retention [--once]`` runs it alone.
+auk_worker.service.retention [--once] [--all-objects]`` runs it alone.
 """
 
 from __future__ import annotations
@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m auk_worker.service.retention``: apply lifecycle rules and sweep (``--once``, or forever)."""
     parser = argparse.ArgumentParser(prog="python -m auk_worker.service.retention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="one sweep, then exit")
+    parser.add_argument("--all-objects", action="store_true",
+                        help="list and delete old objects under every prefix, lifecycle rule or not (a store such "
+                             "as SeaweedFS applies a new rule only to objects written after it)")  # fmt: skip
     args = parser.parse_args(argv)
     from auk_worker.service.logs import configure_logging
 
@@ -230,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     store = JobStore.from_url(settings.redis_url)
     store.retain_s = settings.retain_records_s
     storage = Storage(settings)
-    sweeper = Sweeper(settings, store, storage, apply_lifecycle(storage, settings))
+    expired_by_store = apply_lifecycle(storage, settings)
+    sweeper = Sweeper(settings, store, storage, set() if args.all_objects else expired_by_store)
     if args.once:
         sweeper.sweep()
         return 0

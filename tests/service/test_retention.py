@@ -5,6 +5,7 @@ prefixes stays."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -179,3 +180,23 @@ def test_ended_webhook_deliveries_expire_and_pending_ones_stay(redis_client: red
     assert 0 < redis_client.ttl(deliveries.key(sent)) <= 1 and redis_client.ttl(deliveries.key(retried)) == -1
     time.sleep(1.3)
     assert deliveries.get(sent) is None and deliveries.get(retried).state == "pending"
+
+
+def test_the_sweeper_runs_alone_from_the_command_line(service_env: dict[str, str], settings: Settings,
+                                                      storage: Storage) -> None:  # fmt: skip
+    import os
+    import subprocess
+    import sys
+
+    from tests.service.harness import REPO
+
+    old = f"{settings.s3_prefix}jobs/old.wav"
+    storage.put_bytes(old, b"data", "audio/wav")
+    time.sleep(2.2)
+    env = {**os.environ, **service_env, "AUK_RETAIN_RESULTS": "2s", "AUK_LOG_FORMAT": "json", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "auk_worker.service.retention", "--once"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert not storage.exists(old)
+    report = [json.loads(line) for line in out.stderr.splitlines() if "objects deleted" in line]
+    assert len(report) == 1 and f"1 under {settings.s3_prefix}jobs/" in report[0]["message"]
