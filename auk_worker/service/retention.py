@@ -9,8 +9,8 @@ Periods (``Settings``; ``0`` keeps forever):
 
 What Redis cannot expire on its own is swept here every ``AUK_RETAIN_SWEEP_INTERVAL``:
 
-- per-owner index entries (sorted sets ``<ns>:owner:*``) whose record has expired are removed, so listings never
-  page through dead ids (they also skip a missing record on read);
+- listing entries whose record has expired are removed (``<ns>:owner:*:jobs`` and ``<ns>:owner:*:batches``), so
+  listings never page through dead ids (they also skip a missing record on read);
 - a finished record, idempotency key or upload record that has no TTL (written before retention was configured,
   or by a process that died between its transition and its TTL) gets one;
 - objects: a bucket lifecycle rule per prefix where the store takes one and the period is whole days; otherwise the
@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
@@ -110,31 +111,59 @@ class Sweeper:
 
     # -- Redis --------------------------------------------------------------------------------------------------
     def sweep_indexes(self, report: SweepReport) -> None:
-        """Drop index entries of expired records; give finished records without a TTL one."""
-        retain = self.settings.retain_records_s
-        if not retain:
+        """Drop listing entries of expired records; give finished records and ended batches without a TTL one.
+
+        Each index family names the record its members point to; other sorted sets are never touched."""
+        if not self.settings.retain_records_s:
             return
-        cutoff_ms = (time.time() - retain) * 1000  # a record created after this cannot have expired yet
-        for index in self.redis.scan_iter(f"{self.store.ns}:owner:*", count=SCAN_COUNT, _type="zset"):
+        ns = self.store.ns
+        self._sweep_family(f"{ns}:owner:*:jobs", self._check_jobs, report)
+        self._sweep_family(f"{ns}:owner:*:batches", self._check_batches, report)
+
+    def _sweep_family(self, pattern: str, check: Any, report: SweepReport) -> None:
+        """For each sorted set matching ``pattern``: its members created before the period began (scores are
+        creation times in ms), in pages; ``check(ids, report)`` returns those whose record is gone."""
+        cutoff_ms = (time.time() - self.settings.retain_records_s) * 1000  # younger records cannot have expired
+        for index in self.redis.scan_iter(pattern, count=SCAN_COUNT, _type="zset"):
             offset = 0
             while True:
                 ids = self.redis.zrangebyscore(index, "-inf", cutoff_ms, start=offset, num=SCAN_COUNT)
                 if not ids:
                     break
-                pipe = self.redis.pipeline(transaction=False)
-                for job_id in ids:
-                    pipe.hmget(self.store.job_key(job_id), "status", "finished_at")
-                    pipe.ttl(self.store.job_key(job_id))
-                replies = pipe.execute()
-                gone = []
-                for job_id, (status, finished), ttl in zip(ids, replies[::2], replies[1::2]):
-                    if status is None:
-                        gone.append(job_id)
-                    elif status in _TERMINAL_VALUES and ttl == -1:
-                        self._retire_late(job_id, status, finished, report)
+                gone = check(ids, report)
                 if gone:
                     report.index_entries_removed += self.redis.zrem(index, *gone)
                 offset += len(ids) - len(gone)
+
+    def _check_jobs(self, ids: list[str], report: SweepReport) -> list[str]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(self.store.job_key(job_id), "status", "finished_at")
+            pipe.ttl(self.store.job_key(job_id))
+        replies = pipe.execute()
+        gone = []
+        for job_id, (status, finished), ttl in zip(ids, replies[::2], replies[1::2]):
+            if status is None:
+                gone.append(job_id)
+            elif status in _TERMINAL_VALUES and ttl == -1:
+                self._retire_late(job_id, status, finished, report)
+        return gone
+
+    def _check_batches(self, ids: list[str], report: SweepReport) -> list[str]:
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hmget(self.store.batch_key(batch_id), "total", "terminal")
+            pipe.ttl(self.store.batch_key(batch_id))
+        replies = pipe.execute()
+        gone = []
+        for batch_id, (total, terminal), ttl in zip(ids, replies[::2], replies[1::2]):
+            if total is None:
+                gone.append(batch_id)
+            elif ttl == -1 and int(terminal or 0) >= int(total):  # ended before retention was configured
+                for key in (self.store.batch_key(batch_id), self.store.batch_jobs_key(batch_id)):
+                    self.redis.expire(key, self.settings.retain_records_s)
+                report.ttls_set += 1
+        return gone
 
     def _retire_late(self, job_id: str, status: str, finished_at: str | None, report: SweepReport) -> None:
         """A finished record without a TTL: its clock starts from its own ``finished_at``."""
@@ -198,6 +227,8 @@ class Sweeper:
                 self.sweep_if_due()
             except (redis.RedisError, ClientError, BotoCoreError) as exc:
                 log.warning("retention: sweep failed: %s", exc)
+            except Exception:  # noqa: BLE001 - the thread's boundary: log it and sweep again next interval
+                log.exception("retention: sweep failed")
             stop.wait(min(self.settings.retain_sweep_interval_s, 60))
 
 

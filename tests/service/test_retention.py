@@ -11,6 +11,7 @@ import time
 import pytest
 import redis
 
+from auk_worker.service.batches import BatchBook
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.retention import Sweeper, apply_lifecycle, lifecycle_rule_id
 from auk_worker.service.settings import Settings
@@ -46,6 +47,11 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
     batch_id = store.create_batch(OWNER, batch_jobs)
     for record in batch_jobs:
         _finish(store, record)
+    book = BatchBook(store)
+    book.register(batch_id, OWNER)
+    live_job = JobRecord.new(OWNER, {"instruction": "still to come"}, custom_id="c0")
+    live_batch = store.create_batch(OWNER, [live_job])
+    book.register(live_batch, OWNER)
     # A record finished by a store without retention (before it was configured): the sweeper gives it a TTL.
     legacy = _job(JobStore(redis_client))
     _finish(JobStore(redis_client), legacy)
@@ -58,7 +64,7 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
                 store.job_key(legacy.id), store.owner_key(OWNER)):  # fmt: skip
         assert ttl(key) == -1, key
     stats = redis_client.hgetall(store.stats_key())
-    assert stats == {"submitted": "8", "succeeded": "4", "failed": "1", "canceled": "1"}
+    assert stats == {"submitted": "9", "succeeded": "4", "failed": "1", "canceled": "1"}
 
     time.sleep(2.5)
     for key in (store.job_key(done.id), store.idem_key(OWNER, "idem-done"), store.job_key(failed.id),
@@ -67,16 +73,18 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
         assert not redis_client.exists(key), key
     assert store.get(queued.id).status == JobStatus.QUEUED and store.get(running.id).status == JobStatus.RUNNING
     assert store.by_idempotency_key(OWNER, "idem-queued").id == queued.id
-    assert store.get_batch(batch_id) is None
+    assert store.get_batch(batch_id) is None and store.get_batch(live_batch) is not None
     # Listings skip expired ids before any sweep; the index still holds them until the sweeper runs.
     listed, _ = store.list(OWNER)
-    assert {r.id for r in listed} == {queued.id, running.id, legacy.id}
-    assert redis_client.zcard(store.owner_key(OWNER)) == 7
+    assert {r.id for r in listed} == {queued.id, running.id, legacy.id, live_job.id}
+    assert redis_client.zcard(store.owner_key(OWNER)) == 8
+    assert redis_client.zcard(book.owner_key(OWNER)) == 2
 
     swept = dataclasses.replace(settings, retain_records_s=2)
     report = Sweeper(swept, store, storage=None).sweep()
-    assert report.index_entries_removed == 5 and report.ttls_set == 1  # 4 of OWNER's, 1 of OTHER's; legacy
-    assert set(redis_client.zrange(store.owner_key(OWNER), 0, -1)) == {queued.id, running.id, legacy.id}
+    assert report.index_entries_removed == 6 and report.ttls_set == 1  # jobs: 4 of OWNER's, 1 of OTHER's; a batch
+    assert set(redis_client.zrange(store.owner_key(OWNER), 0, -1)) == {queued.id, running.id, legacy.id, live_job.id}
+    assert redis_client.zrange(book.owner_key(OWNER), 0, -1) == [live_batch]  # the batch still running stays
     assert redis_client.zcard(store.owner_key(OTHER)) == 0
     assert 0 < ttl(store.job_key(legacy.id)) <= 1  # finished 2.5 s ago: its period is already over
     time.sleep(1.2)
