@@ -209,7 +209,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         made_up["AUK_CHECKPOINT"] = str(checkpoint)
     made_up["AUK_S3_INPUT_BUCKET"] = user.get("AUK_S3_BUCKET", BUCKET)
-    redis_server = None if "AUK_REDIS_URL" in user else RedisServer(workdir / "redis", persist=True, fsync="everysec")
+    redis_server = None
+    if "AUK_REDIS_URL" not in user:  # fsynced every second, as docker-compose.yml runs it
+        redis_server = RedisServer(workdir / "redis", persist=True, fsync="everysec")
     s3 = None if "AUK_S3_ENDPOINT" in user else S3Server(workdir / "s3", user.get("AUK_S3_ACCESS_KEY"),
                                                           user.get("AUK_S3_SECRET_KEY"))  # fmt: skip
     supervisor = Supervisor(workdir / "status.json")

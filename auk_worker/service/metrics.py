@@ -105,7 +105,8 @@ class _HeartbeatAge(Collector):
         self.read_ts = read_ts
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("auk_worker_heartbeat_age_seconds", "Seconds since the heartbeat in Redis was written")
+        family = GaugeMetricFamily("auk_worker_heartbeat_age_seconds",
+                                   "Seconds since the heartbeat in Redis was written")
         try:
             ts = self.read_ts()
         except redis.RedisError:

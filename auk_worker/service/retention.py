@@ -62,7 +62,8 @@ class SweepReport:
 
 def object_prefixes(settings: Settings) -> dict[str, int]:
     """The object prefixes under retention and each one's period in seconds (0: kept)."""
-    return {f"{settings.s3_prefix}uploads/": settings.retain_uploads_s, f"{settings.s3_prefix}jobs/": settings.retain_results_s}
+    prefix = settings.s3_prefix
+    return {f"{prefix}uploads/": settings.retain_uploads_s, f"{prefix}jobs/": settings.retain_results_s}
 
 
 def lifecycle_rule_id(prefix: str) -> str:
@@ -171,7 +172,8 @@ class Sweeper:
         left = retain
         if finished_at:
             finished = datetime.fromisoformat(finished_at.replace("Z", "+00:00"))
-            left = max(1, math.ceil((finished + timedelta(seconds=retain) - datetime.now(timezone.utc)).total_seconds()))
+            remaining = finished + timedelta(seconds=retain) - datetime.now(timezone.utc)
+            left = max(1, math.ceil(remaining.total_seconds()))
         self.store.retire(job_id, JobStatus(status), ttl=left, count=False)  # counted when it finished
         report.ttls_set += 1
 
@@ -251,7 +253,8 @@ def start_background(settings: Settings, store: JobStore, storage: Storage) -> t
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m auk_worker.service.retention``: apply lifecycle rules and sweep (``--once``, or forever)."""
-    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.retention", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.retention",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="one sweep, then exit")
     parser.add_argument("--all-objects", action="store_true",
                         help="list and delete old objects under every prefix, lifecycle rule or not (a store such "
