@@ -261,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                              "as SeaweedFS applies a new rule only to objects written after it)")  # fmt: skip
     args = parser.parse_args(argv)
     from auk_worker.service.logs import configure_logging
+    from auk_worker.service.redis_client import redis_client
 
     settings = Settings.from_env()
     configure_logging(settings.log_format)
-    store = JobStore.from_url(settings.redis_url)
-    store.retain_s = settings.retain_records_s
+    store = JobStore(redis_client(settings), retain_s=settings.retain_records_s)
     storage = Storage(settings)
     expired_by_store = apply_lifecycle(storage, settings)
     sweeper = Sweeper(settings, store, storage, set() if args.all_objects else expired_by_store)
