@@ -165,7 +165,7 @@ def test_logs_are_one_json_object_a_line_with_the_job_and_its_stages(ops: Ops) -
     assert len(finished) == 1, [line for line in worker_lines if line.get("job_id") == job["id"]]
     line = finished[0]
     assert line["batch_id"] is None and line["duration_s"] == 1.0
-    assert set(line["stages"]) == {"fetch", "render", "upload"} and line["stages"]["render"] >= 4 * STEP_DELAY
+    assert {"fetch", "render", "upload"} <= set(line["stages"]) and line["stages"]["render"] >= 4 * STEP_DELAY
     started = [line for line in worker_lines if line.get("job_id") == job["id"] and "started" in line["message"]]
     assert started, "lines written while the job runs carry its id"
     assert any(f"/v1/jobs/{job['id']}" in line["message"] for line in api_lines)  # uvicorn's access lines too
