@@ -23,10 +23,13 @@ from api.deps import build_services, start_dispatcher
 from api.errors import install_error_handlers
 from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
 from api.links import LinkSigner
-from api.routes import batch_manage, batch_page, batches, health, jobs, speech, uploads, voices, webhooks
+from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
+                        voices, webhooks)
 from auk_worker.errors import InfraError
 from auk_worker.service.fairshare import Feeder
 from auk_worker.service.quotas import RateLimiter, async_redis_client
+from auk_worker.service import retention
+from auk_worker.service.metrics import ApiMetrics, RequestMetricsMiddleware
 from auk_worker.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -49,9 +52,11 @@ def create_app(settings: Settings) -> FastAPI:
             log.warning("storage: buckets not checked at start-up: %s", exc)
         dispatcher = start_dispatcher(built)
         feeder = Feeder(built.fair, built.send).start()  # bulk tasks move while any API or worker is up
+        _, stop_sweeper = retention.start_background(settings, built.store, built.storage)
         try:
             yield
         finally:
+            stop_sweeper.set()
             feeder.stop()
             if dispatcher is not None:
                 dispatcher.close()
@@ -69,7 +74,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    for routes in (uploads, jobs, batch_manage, batches, batch_page, webhooks, speech, voices, health):
+    routers = (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics)
+    for routes in routers:
         app.include_router(routes.router)
 
     # (what, limit) of each route's body: the guard cuts a body there, whatever its headers say.
@@ -91,6 +97,8 @@ def create_app(settings: Settings) -> FastAPI:
         rate=rate,
         slots=KeySlots(settings.quota_in_flight, settings.quota_in_flight_queue) if settings.quota_in_flight else None,
     )
+    app.state.metrics = ApiMetrics(built.redis, built.store.stats_key())
+    app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: a 413 is counted too
     return app
 
 

