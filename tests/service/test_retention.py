@@ -82,14 +82,19 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
 
     swept = dataclasses.replace(settings, retain_records_s=2)
     report = Sweeper(swept, store, storage=None).sweep()
-    assert report.index_entries_removed == 6 and report.ttls_set == 1  # jobs: 4 of OWNER's, 1 of OTHER's; a batch
+    # Jobs: 4 of OWNER's and 1 of OTHER's, in the listing and again in their status's listing; and a batch.
+    assert report.index_entries_removed == 11 and report.ttls_set == 1
+    for status in JobStatus:
+        for owner in (OWNER, OTHER):
+            left = set(redis_client.zrange(store.status_key(owner, status), 0, -1))
+            assert left <= {queued.id, running.id, legacy.id, live_job.id}, (owner, status, left)
     assert set(redis_client.zrange(store.owner_key(OWNER), 0, -1)) == {queued.id, running.id, legacy.id, live_job.id}
     assert redis_client.zrange(book.owner_key(OWNER), 0, -1) == [live_batch]  # the batch still running stays
     assert redis_client.zcard(store.owner_key(OTHER)) == 0
     assert 0 < ttl(store.job_key(legacy.id)) <= 1  # finished 2.5 s ago: its period is already over
     time.sleep(1.2)
     assert store.get(legacy.id) is None and store.get(queued.id) is not None
-    assert Sweeper(swept, store, storage=None).sweep().index_entries_removed == 1
+    assert Sweeper(swept, store, storage=None).sweep().index_entries_removed == 2  # legacy's, in both listings
     assert redis_client.hgetall(store.stats_key())["succeeded"] == "4"  # a late TTL does not count a job twice
 
 
