@@ -146,13 +146,21 @@ def test_redis_drop_mid_group_every_job_done_once(own_redis, s3_server, tmp_path
 def test_a_wedged_consumer_is_not_ready_within_15_s_then_exits_and_its_restart_consumes(
     own_redis, s3_server, tmp_path, monkeypatch
 ) -> None:
-    """Whatever stops a consumer, health says so: here the worker runs with kombu's own Redis QoS (the fix of
-    ``broker.py`` taken out through a ``sitecustomize``), which wedges after a Redis drop mid-job exactly as in the
-    issue. Within 15 s of Redis answering, its heartbeat says ``stalled``, /readyz counts no ready worker and the
-    probe fails; after ``AUK_STALL_TIMEOUT`` it exits 3, and started again (as a supervisor would) it consumes."""
+    """Whatever stops a consumer, health says so: here a ``sitecustomize`` wedges the worker's broker channel after
+    its first acknowledgement (it can take no further message, as kombu's own Redis QoS could after an ack that
+    failed while Redis was away). Within 15 s its heartbeat says ``stalled``, /readyz counts no ready worker and
+    the probe fails; after ``AUK_STALL_TIMEOUT`` it exits 3, and started again (as a supervisor would) it
+    consumes."""
     shim = tmp_path / "shim"
     shim.mkdir()
-    (shim / "sitecustomize.py").write_text("import auk_worker.service.broker as b\nb.TRANSPORTS.clear()\n")
+    (shim / "sitecustomize.py").write_text(
+        "import auk_worker.service.broker as b\n"
+        "class Wedged(b.ReleasingQoS):\n"
+        "    def ack(self, delivery_tag):\n"
+        "        super().ack(delivery_tag)\n"
+        "        self.can_consume = lambda: False\n"
+        "b.Channel.QoS = Wedged\n"
+    )
     env = {**_env(own_redis, s3_server, "wedged"), "AUK_STALL_TIMEOUT": "10"}
     settings = Settings.from_env(env)
     store, storage = JobStore(own_redis.client()), Storage(settings)
@@ -163,19 +171,19 @@ def test_a_wedged_consumer_is_not_ready_within_15_s_then_exits_and_its_restart_c
     api = ApiProcess({**env, "AUK_API_KEYS": "key-wedged-0123456789"}, free_port(), tmp_path / "api.log").start()
     try:
         worker.wait_state(store.redis, "ready", timeout=60)
-        long_job = create(store, num_inference_steps=200)
+        long_job = create(store)
         make_celery(settings).send_task(RENDER_TASK, args=[long_job.id], queue=long_job.queue)
-        wait_for(store, long_job.id, lambda r: (r.progress or {}).get("step", 0) >= 20, 30, "step 20")
-        back_at = restart_after(own_redis, 5.0)
+        wait_for(store, long_job.id, lambda r: r.terminal, 60, "the first job done")
+        done_at = time.time()
         client = own_redis.client()
         wait_until("the heartbeat to say stalled", lambda: worker.heartbeat(client).get("state") == "stalled", 15,
                    worker.proc, worker.log)  # fmt: skip
-        stalled_after = time.time() - back_at
+        stalled_after = time.time() - done_at
         readyz = httpx.get(f"{api.url}/readyz", timeout=10).json()
         assert readyz["workers_ready"] == 0 and readyz["workers"][0]["state"] == "stalled", readyz
         probe = run_probe(own_redis.url, "w-wedged")
         assert probe.returncode == 1 and "stalled" in probe.stdout
-        print(f"\nwedged consumer: not ready {stalled_after:.1f} s after Redis answered")
+        print(f"\nwedged consumer: not ready {stalled_after:.1f} s after its last job")
         assert stalled_after < 15
         assert worker.wait_exit(30) == 3  # AUK_STALL_TIMEOUT: a supervisor starts it again
         assert "has not consumed" in client.hget("auk:worker:w-wedged", "error")
