@@ -22,10 +22,10 @@ setup: $(VENV)/.installed
 	  { echo "redis-server is missing and could not be installed; install it and rerun" >&2; exit 1; }; }
 
 run: setup
-	$(PY) -m auk_worker.demo
+	$(PY) -m auk_dev.demo
 
 demo-once: setup
-	$(PY) -m auk_worker.demo --once
+	$(PY) -m auk_dev.demo --once
 
 # docker-compose (Debian's) only validates docker-compose.yml in tests/test_compose.py, and kubectl only renders
 # deploy/ with its built-in kustomize (v5, kubectl 1.27 or newer) in tests/test_k8s.py; where either cannot be

@@ -132,7 +132,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from auk_worker.tiny import make_tiny_checkpoint
+    from auk_dev.tiny import make_tiny_checkpoint
 
     out = make_tiny_checkpoint(args.out, variant=args.variant, seed=args.seed)
     print(f"{out}: tiny {args.variant} checkpoint (random weights: its audio is noise)")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from auk_worker.service.local import ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
+from auk_dev.local import ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 from bench.common import commit
 
 API_KEY = "bench-footprint-key-0000000000"

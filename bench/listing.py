@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from auk_worker.service.jobs import JobRecord, JobStore
-from auk_worker.service.local import ApiProcess, RedisServer, free_port
+from auk_dev.local import ApiProcess, RedisServer, free_port
 from bench.common import RESULTS, commit
 
 log = logging.getLogger("bench.listing")

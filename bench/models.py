@@ -24,7 +24,7 @@ from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.model.dit import AuKDiT, DiTConfig, DiTContext
 from auk_worker.model.fp8 import block_linears
 from auk_worker.model.thinker import PromptProcessor, ThinkerEncoder, ThinkerTrunk
-from auk_worker.model.tiny_qwen import write_tiny_qwen
+from auk_dev.tiny_qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
 from auk_worker.pipeline import AuKPipeline, FastPaths, Precision, precision_dtype
 

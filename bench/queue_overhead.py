@@ -8,7 +8,7 @@ with ``AUK_PIPELINE=instant`` (silence of the right length, no model), then:
 2. throughput: N jobs enqueued at once, timed until the last one succeeds.
 
 It writes ``bench/results/queue_overhead-<date>.json`` with the torch version, the commit and the host. Target: a
-median under 10 ms a job. Run it from the repository root (the process managers are ``auk_worker.service.local``).
+median under 10 ms a job. Run it from the repository root (the process managers are ``auk_dev.local``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
 from auk_worker.service.settings import Settings
-from auk_worker.service.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env
+from auk_dev.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env
 from bench.common import commit
 
 log = logging.getLogger("bench.queue_overhead")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from auk_worker.service.jobs import JobRecord, JobStore
-from auk_worker.service.local import RedisServer
+from auk_dev.local import RedisServer
 from auk_worker.service.retention import Sweeper
 from auk_worker.service.settings import Settings
 

@@ -42,7 +42,7 @@ import soundfile as sf
 
 from auk_client import Client
 from auk_client.types import parse_server_timing
-from auk_worker.service.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
+from auk_dev.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 from bench.common import commit
 
 log = logging.getLogger("bench.service")

@@ -40,7 +40,7 @@ import httpx
 import redis
 
 from auk_worker.service.jobs import JobStatus, JobStore
-from auk_worker.service.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
+from auk_dev.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage
 from bench.common import commit

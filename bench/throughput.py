@@ -2,7 +2,7 @@
 
 ``python -m bench.throughput [--jobs N] [--seconds 6] [--pipeline tiny|instant|release]
 [--deploy-config config/auk-bulk.yaml] [--dtype float8]`` starts a private redis-server, a SeaweedFS S3 server,
-the API and one worker (the process managers of ``auk_worker/service/local.py``), posts ONE batch of N jobs of
+the API and one worker (the process managers of ``auk_dev/local.py``), posts ONE batch of N jobs of
 ``--seconds`` each (same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the
 deploy config's ``max_num_seqs``, and waits until the batch is done. ``--dtype`` runs API and worker on a copy of
 the deploy config with that stage 1 ``dtype``. It reports:
@@ -40,7 +40,7 @@ import yaml
 
 from auk_worker.deploy import DiTDtype, load_deploy_config
 from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.local import (
+from auk_dev.local import (
     REPO,
     ApiProcess,
     RedisServer,
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
         warmup = deploy.dit.max_num_seqs if args.warmup is None else args.warmup
         checkpoint = None
         if args.pipeline == "tiny":
-            from auk_worker.tiny import make_tiny_checkpoint
+            from auk_dev.tiny import make_tiny_checkpoint
 
             checkpoint = Path(make_tiny_checkpoint(work / "auk-tiny-base", "base"))
         service = ServiceUnderTest(work, args.pipeline, deploy_config, checkpoint)

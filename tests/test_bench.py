@@ -47,7 +47,7 @@ def test_utilisation_counts_the_weights_a_position_passes():
 def test_throughput_dtype_option_rewrites_only_stage_one_dtype(tmp_path):
     """``bench.throughput --dtype float8`` serves a copy of the deploy config that differs in that field alone."""
     from auk_worker.deploy import load_deploy_config
-    from auk_worker.service.local import REPO
+    from auk_dev.local import REPO
     from bench.throughput import with_dit_dtype
 
     source = REPO / "config" / "auk-bulk.yaml"

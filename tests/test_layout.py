@@ -1,6 +1,8 @@
-"""The layout's two rules, read from the source: no import cycle among the modules of auk_worker, api and bench
-(deferred imports inside functions count; ``if TYPE_CHECKING:`` imports do not, they never run), and no file of
-theirs over 400 lines unless its docstring says why, on a line starting "Longer than 400 lines:"."""
+"""The layout's rules, read from the source: no import cycle among the modules of auk_worker, auk_client,
+auk_dev, api and bench (deferred imports inside functions count; ``if TYPE_CHECKING:`` imports do not, they never
+run); no file of theirs over 400 lines unless its docstring says why, on a line starting "Longer than 400 lines:";
+and the engine, the service and the API never reach into the dev tooling (auk_dev) but for the CLI's
+``make-tiny-checkpoint``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("auk_worker", "api", "bench")
+PACKAGES = ("auk_worker", "auk_client", "auk_dev", "api", "bench")
+PRODUCT = ("auk_worker", "auk_client", "api")
+MAY_USE_DEV_TOOLING = {"auk_worker.cli"}  # `auk make-tiny-checkpoint`
 MAX_LINES = 400
 REASON = "Longer than 400 lines:"
 
@@ -136,3 +140,11 @@ def test_long_files_say_why():
     assert not unexplained, f"over {MAX_LINES} lines without a '{REASON}' line in the docstring:\n" + "\n".join(
         unexplained
     )
+
+
+def test_the_product_does_not_import_the_dev_tooling():
+    graph = import_graph()
+    offenders = sorted(f"{module} imports {target}" for module, targets in graph.items()
+                       if module.split(".")[0] in PRODUCT and module not in MAY_USE_DEV_TOOLING
+                       for target in targets if target.split(".")[0] == "auk_dev")  # fmt: skip
+    assert not offenders, "\n".join(offenders)

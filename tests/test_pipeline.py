@@ -22,7 +22,7 @@ from auk_worker.errors import AudioError, CheckpointError, InputError, ModelErro
 from auk_worker.model.dit.layers import _grouped_conv_as_bmm
 from auk_worker.model.sampling import FLASH_T_GRID
 from auk_worker.pipeline import AuKPipeline
-from auk_worker.tiny import make_tiny_checkpoint
+from auk_dev.tiny import make_tiny_checkpoint
 from auk_worker.types import SAMPLE_RATE, AudioClip, RenderRequest
 
 INSTRUCT = 'Generate speech based on the following description: "Calm." The content to speak is: "Hi."'

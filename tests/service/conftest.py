@@ -103,7 +103,7 @@ def tiny_pipeline_available() -> bool:
     """The real pipeline on the tiny checkpoint needs both modules; until they land those tests skip."""
     try:
         import auk_worker.pipeline  # noqa: F401
-        import auk_worker.tiny  # noqa: F401
+        import auk_dev.tiny  # noqa: F401
     except ImportError:
         return False
     return True
@@ -112,8 +112,8 @@ def tiny_pipeline_available() -> bool:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not tiny_pipeline_available():
-        pytest.skip("auk_worker.tiny / auk_worker.pipeline not importable yet")
-    from auk_worker.tiny import make_tiny_checkpoint
+        pytest.skip("auk_dev.tiny / auk_worker.pipeline not importable yet")
+    from auk_dev.tiny import make_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("tiny") / "auk-tiny-base"
     return Path(make_tiny_checkpoint(out, "base"))

@@ -1,12 +1,12 @@
 """Process managers for the service tests: real services on loopback ports.
 
-They live in the package (``auk_worker.service.local``, also used by ``make run`` and the queue benchmark); this
+They live in the package (``auk_dev.local``, also used by ``make run`` and the queue benchmark); this
 module re-exports them under the names the tests use.
 """
 
 from __future__ import annotations
 
-from auk_worker.service.local import (
+from auk_dev.local import (
     REPO,
     VENV_BIN,
     ApiProcess,

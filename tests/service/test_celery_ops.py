@@ -12,7 +12,7 @@ import httpx
 
 from auk_worker.service.celery_app import make_celery
 from auk_worker.service.jobs import JobStatus
-from auk_worker.service.local import _python_env
+from auk_dev.local import _python_env
 from tests.service.harness import REPO, free_port, stop_process, wait_until
 from tests.service.test_worker import submit, wait_terminal
 

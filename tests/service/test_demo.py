@@ -1,4 +1,4 @@
-"""``make run`` end to end: ``python -m auk_worker.demo --once`` in a temporary directory on a free API port.
+"""``make run`` end to end: ``python -m auk_dev.demo --once`` in a temporary directory on a free API port.
 
 The demo starts its own redis-server, SeaweedFS, worker (tiny checkpoint) and API, renders its batch through the
 REST API and stops everything. The test checks the exit status, that every WAV the demo reports exists locally
@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import soundfile as sf
 
-from auk_worker.service.local import REPO, free_port
+from auk_dev.local import REPO, free_port
 
 REPORTED = re.compile(r"^\s+(demo-\d+): (\S+\.wav) \(([\d.]+) s\) = s3://(\S+?)/(\S+\.wav)$", re.MULTILINE)
 
@@ -48,7 +48,7 @@ def test_demo_once_renders_the_batch_and_stops_everything(tmp_path: Path) -> Non
     port_marker = f"AUK_API_PORT={free_port()}"
     env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
     env["AUK_API_PORT"] = port_marker.split("=")[1]
-    proc = subprocess.Popen([sys.executable, "-m", "auk_worker.demo", "--once", "--workdir", str(tmp_path / "run")],
+    proc = subprocess.Popen([sys.executable, "-m", "auk_dev.demo", "--once", "--workdir", str(tmp_path / "run")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=150)
@@ -141,7 +141,7 @@ def test_demo_uses_the_users_settings_and_restarts_what_dies(tmp_path: Path) -> 
                 "AUK_API_KEYS": f"{user_key},second-key-0123456789", "AUK_PIPELINE": "instant",
                 "AUK_S3_PREFIX": "mine", "AUK_LOG_FORMAT": "text"})  # fmt: skip
     workdir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "auk_worker.demo", "--workdir", str(workdir)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "auk_dev.demo", "--workdir", str(workdir)], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     out = _Output(proc)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from auk_worker.service import local
+from auk_dev import local
 
 
 def test_free_port_never_hands_out_a_port_already_taken_by_the_same_start(monkeypatch) -> None:

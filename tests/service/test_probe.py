@@ -13,7 +13,7 @@ import redis
 
 from auk_worker.service.health import Heartbeat, heartbeat_key
 from auk_worker.service.jobs import JobStatus
-from auk_worker.service.local import REPO, free_port
+from auk_dev.local import REPO, free_port
 from auk_worker.service.probe import judge
 from tests.service.test_worker import submit, wait_for
 

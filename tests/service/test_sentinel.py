@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from auk_worker.service.jobs import JobStatus, JobStore
-from auk_worker.service.local_sentinel import RedisSentinelSet
+from auk_dev.local_sentinel import RedisSentinelSet
 from auk_worker.service.redis_client import redis_client
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, manifest_key, result_key

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from auk_worker.service.local import GRPC_OFFSET, S3Server
+from auk_dev.local import GRPC_OFFSET, S3Server
 from auk_worker.formats import encode
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + an empty SETTINGS

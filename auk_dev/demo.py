@@ -1,4 +1,4 @@
-"""``python -m auk_worker.demo`` (``make run``): the whole service on this machine, then a demo batch through it.
+"""``python -m auk_dev.demo`` (``make run``): the whole service on this machine, then a demo batch through it.
 
 It starts, under ``./run/`` (``--workdir``): a private ``redis-server`` (append-only file under ``./run/redis``,
 fsynced every second as docker-compose.yml runs it), a SeaweedFS S3 server (``weed``), one worker process and the API
@@ -33,7 +33,7 @@ from types import FrameType
 import httpx
 
 from auk_worker.errors import AuKError
-from auk_worker.service.local import (
+from auk_dev.local import (
     REPO,
     ApiProcess,
     RedisServer,
@@ -41,7 +41,7 @@ from auk_worker.service.local import (
     WorkerProcess,
     port_free,
 )
-from auk_worker.service.supervisor import Supervisor
+from auk_dev.supervisor import Supervisor
 
 SAMPLE_RATE = 24_000
 HOP = 480  # samples per latent frame at 24 kHz
@@ -94,7 +94,7 @@ def _checkpoint(workdir: Path) -> tuple[Path | None, str, bool]:
 
         release = read_release(configured)
         return Path(configured).resolve(), release.variant, False
-    from auk_worker.tiny import make_tiny_checkpoint
+    from auk_dev.tiny import make_tiny_checkpoint
 
     out = make_tiny_checkpoint(workdir / "tiny-checkpoint", variant="base")
     return Path(out).resolve(), "base", True
@@ -358,7 +358,7 @@ class _signals_ignored:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m auk_worker.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m auk_dev.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="stop the service after the demo batch")
     parser.add_argument("--workdir", type=Path, default=Path("run"), help="data, logs and WAVs (default ./run)")
     parser.add_argument("--ready-timeout", type=float, default=900.0,

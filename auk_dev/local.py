@@ -1,6 +1,6 @@
 """Process managers for running the whole service on one machine: real services on loopback ports.
 
-Used by ``python -m auk_worker.demo`` (``make run``), the service tests and the queue benchmark.
+Used by ``python -m auk_dev.demo`` (``make run``), the service tests and the queue benchmark.
 
 - ``RedisServer``: ``redis-server`` from PATH (the Debian package) in its own directory; persistence off, or an
   append-only file (``persist=True``: it can be stopped and started again on its data), synced on every write or,
@@ -43,7 +43,7 @@ from auk_worker.service.seaweed_security import WEED_FLAGS, write_security
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 GRPC_OFFSET = 10000  # a SeaweedFS server listens for gRPC on its port + 10000
 

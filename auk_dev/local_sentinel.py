@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from auk_worker.service.local import RedisServer, free_port, redis_binary, stop_process, wait_until
+from auk_dev.local import RedisServer, free_port, redis_binary, stop_process, wait_until
 
 
 class SentinelServer:
