@@ -4,6 +4,7 @@ processes (redis-server, SeaweedFS, the API under uvicorn, one worker per varian
     python -m bench.service --speech                                   # CPU: the model-free instant pipeline
     python -m bench.service --speech --pipeline random-release         # GPU: release-size random weights
     python -m bench.service --speech --pipeline auk --checkpoint DIR   # GPU: a real checkpoint
+    python -m bench.service --startup [--pipeline ...]                 # worker start-up (bench/startup.py)
 
 For each case (issue 35's rows: Flash 3 s, base instruct 6 s, base zero-shot 12 s with a 5 s reference; and a
 zero-shot render with a voice seen before against one with a new voice each time), ``--requests`` warm requests
@@ -221,7 +222,12 @@ def _device() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--speech", action="store_true", help="the speech endpoint's rows (the only part so far)")
+    parser.add_argument("--speech", action="store_true", help="the speech endpoint's rows")
+    parser.add_argument("--startup", action="store_true",
+                        help="worker start-up to the first job accepted, compile caches cold then warm (bench/startup.py)")
+    parser.add_argument("--starts", type=int, default=3, help="with --startup: worker starts (the first cold)")
+    parser.add_argument("--variant", default="base", choices=("base", "flash"), help="with --startup: the worker's")
+    parser.add_argument("--deploy-config", type=Path, help="with --startup: the worker's deploy config")
     parser.add_argument("--pipeline", default="instant", choices=("instant", "random-release", "auk"))
     parser.add_argument("--checkpoint", type=Path, help="with --pipeline auk: the checkpoint directory")
     parser.add_argument("--requests", type=int, default=20, help="timed requests per case (default 20)")
@@ -231,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds a worker may take to start")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
-    if not args.speech:
-        parser.error("say which part to run: --speech")
+    if args.speech == args.startup:
+        parser.error("say which part to run: --speech or --startup")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.startup:
+        return _startup(args)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"service-speech-{result['commit']}-{result['device']}-{args.pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}"
@@ -244,6 +252,23 @@ def main(argv: list[str] | None = None) -> int:
         split = ", ".join(f"{part} {ms[part]['median']:.2f}" for part in SPLIT[:-1])
         print(f"{case}: client {ms['client']['median']:.2f} ms median ({split}; store {ms['store']['median']:.2f} "
               f"after the answer)")  # fmt: skip
+    print(f"written to {path}")
+    return 0
+
+
+def _startup(args: argparse.Namespace) -> int:
+    from bench import startup
+
+    result = {"benchmark": "service_startup", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit(), "device": _device(), "pipeline": args.pipeline,
+              "host": {"name": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count()},
+              **startup.run(args)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"service-startup-{result['commit']}-{result['device']}-{args.pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}"
+    path = args.out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    for start in result["starts"]:
+        print(f"{start['caches']}: ready {start['ready_s']:.2f} s, first job accepted {start['first_job_accepted_s']:.2f} s")
     print(f"written to {path}")
     return 0
 
