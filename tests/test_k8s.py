@@ -165,6 +165,13 @@ def settings_names() -> set[str]:
     return Recorder.seen | named_in_source
 
 
+def test_a_storage_outage_is_ridden_out_within_the_visibility_timeout(rendered) -> None:
+    for target, docs in rendered.items():
+        for _, container in containers(docs, "worker"):
+            settings = Settings.from_env(effective_env(docs, container))
+            assert settings.storage_retry_deadline_s < settings.visibility_timeout, target
+
+
 def longest_job_s(docs: list[dict]) -> int:
     """AUK_VISIBILITY_TIMEOUT of the workers: this deployment's bound on the longest job."""
     values = {Settings.from_env(effective_env(docs, c)).visibility_timeout for _, c in containers(docs, "worker")}

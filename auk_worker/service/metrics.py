@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from auk_worker.service.celery_app import worker_queues
+from auk_worker.service.health import STATES as WORKER_STATES
 from auk_worker.service.health import read_heartbeats
 from auk_worker.service.settings import VARIANTS
 
@@ -51,7 +52,6 @@ from auk_worker.service.settings import VARIANTS
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 OUTCOMES = ("succeeded", "failed", "canceled", "retried", "skipped")
-WORKER_STATES = ("starting", "ready", "busy", "failed")
 
 
 # ---------------------------------------------------------------------------------------------------- worker
