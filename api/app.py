@@ -23,6 +23,7 @@ from api.deps import build_services, start_dispatcher
 from api.errors import install_error_handlers
 from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
 from api.links import LinkSigner
+from api.openapi import install_openapi
 from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
                         voices, webhooks)
 from auk_worker.errors import InfraError
@@ -77,6 +78,7 @@ def create_app(settings: Settings) -> FastAPI:
     routers = (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics)
     for routes in routers:
         app.include_router(routes.router)
+    install_openapi(app)
 
     # (what, limit) of each route's body: the guard cuts a body there, whatever its headers say.
     limits = {"/v1/uploads": ("the upload", settings.max_upload_bytes),

@@ -1,0 +1,100 @@
+"""What the OpenAPI document says about answers: the error statuses each route can give, in the one error shape
+(``api/errors.py``), and ``documented`` for a route's success answer.
+
+Every ``/v1`` route can answer 401 (no or a bad key, from the request guard, before any body is read), 429 (a
+per-key quota, with ``Retry-After``), 503 (Redis or storage down, with ``Retry-After``) and, as a last resort, 500;
+the routers declare those (``V1_ERRORS``). Routes add what else they can give: 422 where they take parameters,
+400/408/413/415 where they read a body, 404 where they name a record, 409 where they cancel.
+
+``install_openapi`` replaces FastAPI's generated document with one where no operation is left with FastAPI's
+default 422 (``HTTPValidationError``, a shape this API never sends): any that remains becomes the real error body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from api.models import ErrorBody
+
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
+                                "schema": {"type": "integer", "minimum": 0}}}  # fmt: skip
+
+# status: (when it is answered, response headers)
+ERROR_STATUSES: dict[int, tuple[str, dict[str, Any]]] = {
+    400: ("The body is not what the route reads: not JSON, not a JSON object, not UTF-8, an empty body.", {}),
+    401: ("No API key, or not a valid one (`Authorization: Bearer <key>`).",
+          {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}),
+    404: ("No such record for this key (another key's record answers the same).", {}),
+    408: ("The body arrived too slowly (AUK_API_BODY_TIMEOUT, AUK_API_BODY_MIN_RATE); the connection is closed.", {}),
+    409: ("The record has already ended.", {}),
+    413: ("The body is over the route's limit; the connection is closed.", {}),
+    415: ("The body's Content-Type is not one the route reads.", {}),
+    422: ("The request parses but breaks a rule; `details` names each field (or batch line) and why.", {}),
+    429: ("A per-key quota is spent: requests in flight, request rate or queued jobs.", _RETRY_AFTER),
+    500: ("An unexpected fault; the request was not completed.", {}),
+    503: ("A dependency (Redis, storage, the broker) is down, or no live worker serves the variant.", _RETRY_AFTER),
+    504: ("The render did not finish in time (AUK_SPEECH_TIMEOUT); the job goes on.", {}),
+}
+BODY_ERRORS = (400, 408, 413, 415, 422)
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for error statuses, each the ``ErrorBody`` shape."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        description, headers = ERROR_STATUSES[status]
+        out[status] = {"model": ErrorBody, "description": description, **({"headers": headers} if headers else {})}
+    return out
+
+
+V1_ERRORS = errors(401, 429, 500, 503)
+
+
+def documented(model: type[BaseModel] | None, *error_statuses: int, status: int = 200, description: str = "",
+               content: dict[str, Any] | None = None, more: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Keyword arguments for a route decorator: ``model`` (or raw ``content``) as the ``status`` answer, plus the
+    given error statuses and ``more`` answers. The answer is documented, not re-serialized (``response_model=None``):
+    what the route returns goes out as it is."""
+    success: dict[str, Any] = {"description": description or "OK"}
+    if model is not None:
+        success["model"] = model
+    if content is not None:
+        success["content"] = content
+    return {"response_model": None, "responses": {status: success, **(more or {}), **errors(*error_statuses)}}
+
+
+def _error_ref(schema: dict[str, Any]) -> bool:
+    return "HTTPValidationError" in str(schema)
+
+
+def _without_default_422(doc: dict[str, Any]) -> dict[str, Any]:
+    """Any FastAPI default 422 made the real error body; its schemas dropped from the components."""
+    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+    for operations in doc.get("paths", {}).values():
+        for operation in operations.values():
+            response = operation.get("responses", {}).get("422")
+            if response is not None and _error_ref(response):
+                response["description"] = ERROR_STATUSES[422][0]
+                response["content"] = {"application/json": {"schema": error_ref}}
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    return doc
+
+
+def install_openapi(app: FastAPI, tags: Iterable[dict[str, Any]] = ()) -> None:
+    """Serve the document built as described above (built once, on first request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
+                              tags=list(tags) or None)  # fmt: skip
+            app.openapi_schema = _without_default_422(doc)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
