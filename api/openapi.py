@@ -43,12 +43,16 @@ ERROR_STATUSES: dict[int, tuple[str, dict[str, Any]]] = {
 BODY_ERRORS = (400, 408, 413, 415, 422)
 
 
+_ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+
+
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` entries for error statuses, each the ``ErrorBody`` shape."""
+    """``responses=`` entries for error statuses, each the ``ErrorBody`` shape as JSON (named by reference, not
+    ``model``: FastAPI would list a model under the route's own media type, text/html for the batch page)."""
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         description, headers = ERROR_STATUSES[status]
-        out[status] = {"model": ErrorBody, "description": description, **({"headers": headers} if headers else {})}
+        out[status] = {"description": description, "content": _ERROR_CONTENT, **({"headers": headers} if headers else {})}
     return out
 
 
@@ -68,20 +72,19 @@ def documented(model: type[BaseModel] | None, *error_statuses: int, status: int 
     return {"response_model": None, "responses": {status: success, **(more or {}), **errors(*error_statuses)}}
 
 
-def _error_ref(schema: dict[str, Any]) -> bool:
-    return "HTTPValidationError" in str(schema)
-
-
-def _without_default_422(doc: dict[str, Any]) -> dict[str, Any]:
-    """Any FastAPI default 422 made the real error body; its schemas dropped from the components."""
-    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+def _with_error_body(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document with ``ErrorBody`` in its components, and any FastAPI default 422 made that body (its
+    ``HTTPValidationError`` schemas dropped)."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    error = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error.pop("$defs", {}))
+    schemas["ErrorBody"] = error
     for operations in doc.get("paths", {}).values():
         for operation in operations.values():
             response = operation.get("responses", {}).get("422")
-            if response is not None and _error_ref(response):
+            if response is not None and "HTTPValidationError" in str(response):
                 response["description"] = ERROR_STATUSES[422][0]
-                response["content"] = {"application/json": {"schema": error_ref}}
-    schemas = doc.get("components", {}).get("schemas", {})
+                response["content"] = _ERROR_CONTENT
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     return doc
@@ -94,7 +97,7 @@ def install_openapi(app: FastAPI, tags: Iterable[dict[str, Any]] = ()) -> None:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
                               tags=list(tags) or None)  # fmt: skip
-            app.openapi_schema = _without_default_422(doc)
+            app.openapi_schema = _with_error_body(doc)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

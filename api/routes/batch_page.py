@@ -78,6 +78,7 @@ def batch_page(
 
 
 @router.get("/batches/{batch_id}/audio/{job_id}", summary="A batch line's audio (signed link)",
+            response_class=StreamingResponse,
             **documented(None, 401, 404, 422, 500, 503, description="The line's audio.", content=AUDIO_CONTENT,
                          more={206: {"description": "The requested byte range of the line's audio.",
                                      "content": AUDIO_CONTENT}}))

@@ -1,0 +1,158 @@
+"""The OpenAPI document tells the truth: schemathesis, run against the live service (the real API under uvicorn over
+HTTP, the session's redis-server and SeaweedFS, instant-pipeline workers for both variants), generates requests
+from the document for every operation, valid and invalid, sends them with a real key, and checks each answer:
+never a 5xx, a status the document lists, the content type it lists, a body that validates against its schema.
+
+Beside it, fast checks on the document itself (built from the app, nothing started): the bearer scheme on the
+``/v1`` routes only, no trace of FastAPI's default 422 shape, the error body on every error status of every
+operation, and examples on the request bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from api.app import create_app
+from auk_worker.service.settings import Settings
+from tests.service.conftest import BUCKET
+from tests.service.harness import ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
+
+KEY = "openapi-key-alpha-0123"
+PREFIX = "test-openapi"
+# Per operation and generation mode; the explicit examples and the coverage phase's boundary cases come on top.
+MAX_EXAMPLES = 12
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+UNAUTHENTICATED = {"/healthz", "/readyz", "/metrics", "/batches/{batch_id}", "/batches/{batch_id}/audio/{job_id}"}
+
+
+# ------------------------------------------------------------------------------------------- the document alone
+
+
+@pytest.fixture(scope="module")
+def document() -> dict:
+    """The app's document, built from settings that name servers nobody needs to reach: nothing connects."""
+    settings = Settings.from_env({"AUK_API_KEYS": KEY, "AUK_S3_BUCKET": BUCKET, "AUK_S3_ENDPOINT": "http://127.0.0.1:9",
+                                  "AUK_REDIS_URL": "redis://127.0.0.1:9/0", "AUK_S3_ACCESS_KEY": "a",
+                                  "AUK_S3_SECRET_KEY": "b"})  # fmt: skip
+    return create_app(settings).openapi()
+
+
+def _operations(document: dict) -> Iterator[tuple[str, str, dict]]:
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            yield path, method, operation
+
+
+def test_document_declares_bearer_on_v1_routes_only(document: dict) -> None:
+    schemes = document["components"]["securitySchemes"]
+    assert schemes == {"bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "API key",
+                                  "description": schemes["bearer"]["description"]}}  # fmt: skip
+    for path, method, operation in _operations(document):
+        if path in UNAUTHENTICATED:
+            assert "security" not in operation, (method, path)
+        else:
+            assert path.startswith("/v1/") and operation["security"] == [{"bearer": []}], (method, path)
+            assert "401" in operation["responses"] and "429" in operation["responses"], (method, path)
+
+
+def test_document_has_the_real_error_body_on_every_error_status(document: dict) -> None:
+    assert "HTTPValidationError" not in str(document) and "ValidationError" not in document["components"]["schemas"]
+    error = document["components"]["schemas"]["ErrorBody"]
+    assert error["required"] == ["error"]
+    detail = document["components"]["schemas"]["ErrorDetail"]
+    assert set(detail["required"]) == {"code", "message"}
+    for path, method, operation in _operations(document):
+        statuses = [int(code) for code in operation["responses"]]
+        assert any(200 <= code < 300 for code in statuses), (method, path)
+        if path in ("/healthz", "/readyz", "/metrics"):
+            continue
+        assert 404 in statuses or 422 in statuses or not operation.get("parameters"), (method, path)
+        for code in statuses:
+            if code < 400:
+                continue
+            response = operation["responses"][str(code)]
+            schema = response["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, code)
+            if code in (429, 503):
+                assert "Retry-After" in response["headers"], (method, path, code)
+
+
+def test_document_types_every_json_answer_and_gives_examples(document: dict) -> None:
+    for path, method, operation in _operations(document):
+        for code, response in operation["responses"].items():
+            for media, body in response.get("content", {}).items():
+                if media == "application/json":  # a named model, never an untyped object
+                    assert "$ref" in body["schema"], (method, path, code)
+    schemas = document["components"]["schemas"]
+    assert schemas["JobRequest"]["examples"] and schemas["SpeechRequest"]["examples"]
+    batch = document["paths"]["/v1/batches"]["post"]["requestBody"]["content"]["application/x-ndjson"]
+    assert batch["example"].count("\n") == 2
+    speech = document["paths"]["/v1/audio/speech"]["post"]["responses"]["200"]["content"]
+    assert {"audio/wav", "audio/flac", "audio/mpeg"} <= set(speech)
+    assert document["paths"]["/v1/jobs"]["post"]["responses"]["202"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/JobOut"}
+
+
+# ------------------------------------------------------------------------------------------- the live service
+
+
+@dataclass
+class Live:
+    api: ApiProcess
+    redis: redis.Redis
+
+
+@pytest.fixture(scope="module")
+def live(redis_server: RedisServer, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """The API with one instant-pipeline worker per variant, so that every valid render request gets its audio."""
+    logdir = tmp_path_factory.mktemp("openapi")
+    env = connection_env(redis_server, s3_server, S3_BUCKET=BUCKET, S3_PREFIX=PREFIX, VARIANT="base",
+                         PIPELINE="instant", VISIBILITY_TIMEOUT="30", RETRY_BACKOFF="0.5")  # fmt: skip
+    client = redis_server.client()
+    client.flushdb()
+    api = ApiProcess({**env, "AUK_API_KEYS": KEY, "AUK_SPEECH_TIMEOUT": "60"}, free_port(), logdir / "api.log")
+    workers = [WorkerProcess(env, "openapi-base", logdir), WorkerProcess({**env, "AUK_VARIANT": "flash"},
+                                                                          "openapi-flash", logdir)]  # fmt: skip
+    try:
+        api.start()
+        for worker in workers:
+            worker.start().wait_state(client, "ready", timeout=120)
+        yield Live(api, client)
+    finally:
+        for worker in workers:
+            worker.terminate(timeout=20)
+        api.stop()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def live_schema(live: Live) -> schemathesis.BaseSchema:
+    config = schemathesis.Config.from_dict({
+        "headers": {"Authorization": f"Bearer {KEY}"},
+        "generation": {"mode": "all", "max-examples": MAX_EXAMPLES},
+        "phases": {"stateful": {"enabled": False}},
+        "request-timeout": 90,
+    })  # fmt: skip
+    return schemathesis.openapi.from_url(f"{live.api.url}/openapi.json", config=config, timeout=10)
+
+
+schema = schemathesis.pytest.from_fixture("live_schema")
+
+
+@schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_live_answers_match_the_document(case: schemathesis.Case, live: Live) -> None:
+    """Each generated request, sent with the key: no 5xx, and a status, content type and body the document lists."""
+    case.call_and_validate(checks=CHECKS)
