@@ -23,7 +23,7 @@ from api.deps import build_services, start_dispatcher
 from api.errors import install_error_handlers
 from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
 from api.links import LinkSigner
-from api.openapi import install_openapi
+from api.openapi import install_openapi, operation_id
 from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
                         voices, webhooks)
 from auk_worker.errors import InfraError
@@ -70,6 +70,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         description="Enqueue AuK speech renders, follow their progress and fetch the audio; or render speech in one call.",
         lifespan=lifespan,
+        generate_unique_id_function=operation_id,
     )
     app.state.services = built
     app.state.keyring = KeyRing(settings.api_keys)

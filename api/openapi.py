@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
@@ -60,11 +61,14 @@ V1_ERRORS = errors(401, 429, 500, 503)
 
 
 def documented(model: type[BaseModel] | None, *error_statuses: int, status: int = 200, description: str = "",
-               content: dict[str, Any] | None = None, more: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+               content: dict[str, Any] | None = None, more: dict[int, dict[str, Any]] | None = None,
+               follow: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Keyword arguments for a route decorator: ``model`` (or raw ``content``) as the ``status`` answer, plus the
     given error statuses and ``more`` answers. The answer is documented, not re-serialized (``response_model=None``):
-    what the route returns goes out as it is."""
+    what the route returns goes out as it is. ``follow``: the answer's links (``links``)."""
     success: dict[str, Any] = {"description": description or "OK"}
+    if follow:
+        success["links"] = follow
     if model is not None:
         success["model"] = model
     if content is not None:
@@ -88,6 +92,19 @@ def _with_error_body(doc: dict[str, Any]) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     return doc
+
+
+def operation_id(route: APIRoute) -> str:
+    """A route's operationId is its function's name (``create_job``, ``get_batch``): what a generated client's
+    methods are called."""
+    return route.name
+
+
+def links(field: str = "id", **targets: tuple[str, str]) -> dict[str, dict[str, Any]]:
+    """OpenAPI links from an answer's ``field`` to the operations that take it as a parameter: ``GetJob=("get_job",
+    "job_id")``. A client (or a test generator) follows them from the record it just made."""
+    return {name: {"operationId": target, "parameters": {param: f"$response.body#/{field}"}}
+            for name, (target, param) in targets.items()}
 
 
 def install_openapi(app: FastAPI, tags: Iterable[dict[str, Any]] = ()) -> None:

@@ -26,7 +26,7 @@ from api.deps import Services, services
 from api.batch_views import batch_record
 from api.errors import describe_validation_errors, json_failure, summarize, too_large
 from api.models import BatchCreated, BatchOut
-from api.openapi import BODY_ERRORS, V1_ERRORS, documented
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_batch
 from auk_worker.errors import InputError, MalformedBody, NotFound, UnsupportedMediaType
 from auk_worker.service.schema import JobRequest
@@ -132,7 +132,9 @@ def parse_lines(text: str) -> tuple[list[tuple[int, JobRequest]], list[dict]]:
 
 
 @router.post("/batches", status_code=202, summary="Enqueue a JSONL batch", openapi_extra=_BATCH_BODY_DOC,
-             **documented(BatchCreated, *BODY_ERRORS, status=202, description="The batch, queued."))
+             **documented(BatchCreated, *BODY_ERRORS, status=202, description="The batch, queued.",
+                          follow=links(GetBatch=("get_batch", "batch_id"), CancelBatch=("cancel_batch", "batch_id"),
+                                       BatchLink=("batch_link", "batch_id"))))
 async def create_batch(request: Request, owner: str = Depends(caller), svc: Services = Depends(services),
                        webhook_url: str | None = Query(None, min_length=1, max_length=2048)) -> dict:
     data = await _read_body(request)

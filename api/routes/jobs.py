@@ -16,7 +16,7 @@ from api.auth import caller
 from api.deps import Services, services
 from api.errors import require_cancelable
 from api.models import JobOut, JobPage
-from api.openapi import BODY_ERRORS, V1_ERRORS, documented
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_job
 from auk_worker.errors import Conflict, InputError, NotFound
 from auk_worker.service.jobs import JobRecord, JobStatus
@@ -50,6 +50,7 @@ def owned_job(svc: Services, job_id: str, owner: str) -> JobRecord:
 
 @router.post("/jobs", status_code=202, summary="Enqueue one render",
              **documented(JobOut, *BODY_ERRORS, status=202, description="The job, queued.",
+                          follow=links(GetJob=("get_job", "job_id"), CancelJob=("cancel_job", "job_id")),
                           more={200: {"model": JobOut,
                                       "description": "The job an earlier request with this Idempotency-Key made."}}))
 def create_job(

@@ -20,7 +20,7 @@ from api.auth import caller
 from api.deps import Services, services
 from api.errors import too_large
 from api.models import VoiceDeleted, VoiceList, VoiceOut
-from api.openapi import BODY_ERRORS, V1_ERRORS, documented
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.routes.uploads import _channels
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, NotFound, UnsupportedMediaType
@@ -94,7 +94,9 @@ async def _source(request: Request, svc: Services, owner: str) -> tuple[bytes, s
 
 
 @router.post("/voices", status_code=201, summary="Make a reusable voice from a clip", openapi_extra=_VOICE_BODY_DOC,
-             **documented(VoiceOut, *BODY_ERRORS, status=201, description="The voice."))
+             **documented(VoiceOut, *BODY_ERRORS, status=201, description="The voice.",
+                          follow=links("voice_id", GetVoice=("get_voice", "voice_id"),
+                                       DeleteVoice=("delete_voice", "voice_id"))))
 async def create_voice(request: Request, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     data, content_type, name = await _source(request, svc, owner)
     return await run_in_threadpool(_store_voice, svc, owner, data, content_type, name)

@@ -111,6 +111,23 @@ def test_document_types_every_json_answer_and_gives_examples(document: dict) -> 
         "$ref": "#/components/schemas/JobOut"}
 
 
+def test_document_names_operations_and_links_them(document: dict) -> None:
+    """operationIds are the routes' names (a generated client's methods); every link names a real operation and a
+    parameter it takes."""
+    by_id = {operation["operationId"]: operation for _, _, operation in _operations(document)}
+    assert {"create_job", "get_job", "list_jobs", "cancel_job", "create_batch", "get_batch", "create_speech",
+            "create_voice", "create_upload"} <= set(by_id)  # fmt: skip
+    followed = set()
+    for _, _, operation in _operations(document):
+        for response in operation["responses"].values():
+            for link in response.get("links", {}).values():
+                target = by_id[link["operationId"]]
+                names = {param["name"] for param in target.get("parameters", [])}
+                assert set(link["parameters"]) <= names, link
+                followed.add(link["operationId"])
+    assert {"get_job", "cancel_job", "get_batch", "cancel_batch", "get_voice", "delete_voice"} <= followed
+
+
 # ------------------------------------------------------------------------------------------- the live service
 
 
