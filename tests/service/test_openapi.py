@@ -10,6 +10,8 @@ operation, and examples on the request bodies.
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import subprocess
@@ -17,10 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 import redis
+import soundfile as sf
 
 from api.app import create_app
+from api.routes.batches import BATCH_EXAMPLE
 from auk_worker.service.settings import Settings
 from tests.service.conftest import BUCKET
 from tests.service.harness import (
@@ -37,9 +43,10 @@ from tests.service.harness import (
 KEY = "openapi-key-alpha-0123"
 PREFIX = "test-openapi"
 # Fuzzed cases per operation; the explicit examples and the coverage phase's boundary cases come on top.
-MAX_EXAMPLES = int(os.environ.get("AUK_OPENAPI_EXAMPLES", "12"))
+MAX_EXAMPLES = int(os.environ.get("AUK_OPENAPI_EXAMPLES", "30"))
 SEED = "20261204"
-CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance")
+CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance",
+          "ignored_auth")  # the last: each operation that declares the bearer scheme refuses a missing or bad key
 UNAUTHENTICATED = {"/healthz", "/readyz", "/metrics", "/batches/{batch_id}", "/batches/{batch_id}/audio/{job_id}"}
 
 
@@ -162,20 +169,55 @@ def live(redis_server: RedisServer, s3_server: S3Server, tmp_path_factory: pytes
         client.close()
 
 
+def wav_bytes(seconds: float, rate: int = 16_000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    sf.write(buf, (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def seed_records(url: str) -> dict[str, list[str]]:
+    """Real records for schemathesis to name beside the ids it makes up: an upload, two voices, a job, a batch.
+    (Its generated clips are random bytes, so no upload or voice of its own ever succeeds.)"""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        upload = http.post("/v1/uploads", files={"file": ("ref.wav", wav_bytes(1.0), "audio/wav")})
+        assert upload.status_code == 201, upload.text
+        upload_id = upload.json()["upload_id"]
+        voices = [http.post("/v1/voices", json={"upload_id": upload_id, "name": f"v{n}"}) for n in range(2)]
+        assert all(voice.status_code == 201 for voice in voices), voices[0].text
+        job = http.post("/v1/jobs", json={"instruction": "A calm narrator: \"One.\"", "gen_seconds": 1})
+        batch = http.post("/v1/batches", content=BATCH_EXAMPLE, headers={"Content-Type": "application/x-ndjson"})
+        assert job.status_code == 202 and batch.status_code == 202, (job.text, batch.text)
+    return {"uploads": [upload_id], "voices": [voice.json()["voice_id"] for voice in voices],
+            "jobs": [job.json()["id"]], "batches": [batch.json()["id"]]}  # fmt: skip
+
+
+def schemathesis_config(records: dict[str, list[str]]) -> str:
+    """``schemathesis.toml``: the seeded ids offered for half the path ids and upload ids it generates."""
+    lines = [f"[dictionaries.{name}]\nvalues = {json.dumps(ids)}\n" for name, ids in records.items()]
+    lines.append("[parameters]")
+    for key, name in (("path.job_id", "jobs"), ("path.batch_id", "batches"), ("path.voice_id", "voices"),
+                      ("body.upload_id", "uploads"), ("body.audio.upload_id", "uploads")):  # fmt: skip
+        lines.append(f'"{key}" = {{ dictionary = "{name}", probability = 0.5 }}')
+    return "\n".join(lines) + "\n"
+
+
 def test_live_answers_match_the_document(live: Live, tmp_path: Path) -> None:
-    """schemathesis over every operation (its examples, coverage and fuzzing phases; valid and invalid requests),
-    each request sent with the key: no 5xx, and a status, content type and body the document lists. Its own
-    command line runs it, seeded, so that a failure names the request that reproduces it."""
-    command = [str(VENV_BIN / "schemathesis"), "run", f"{live.api.url}/openapi.json", "--header",
-               f"Authorization: Bearer {KEY}", "--checks", ",".join(CHECKS), "--phases", "examples,coverage,fuzzing",
-               "--mode", "all", "--max-examples", str(MAX_EXAMPLES), "--seed", SEED, "--workers", "1",
-               "--generation-with-security-parameters", "false", "--generation-database", "none",
-               "--request-timeout", "90", "--suppress-health-check", "all", "--no-color",
-               "--report", "junit", "--report-dir", str(tmp_path)]  # fmt: skip
+    """schemathesis over every operation (its examples, coverage, fuzzing and stateful phases, following the
+    document's links; valid and invalid requests), each request sent with the key: no 5xx, and a status, content
+    type and body the document lists. Its own command line runs it, seeded, so that a failure names the request
+    that reproduces it."""
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(schemathesis_config(seed_records(live.api.url)))
+    command = [str(VENV_BIN / "schemathesis"), "--config-file", str(config), "run", f"{live.api.url}/openapi.json",
+               "--header", f"Authorization: Bearer {KEY}", "--checks", ",".join(CHECKS),
+               "--phases", "examples,coverage,fuzzing,stateful", "--mode", "all", "--max-examples", str(MAX_EXAMPLES),
+               "--seed", SEED, "--workers", "1", "--generation-with-security-parameters", "false",
+               "--generation-database", "none", "--request-timeout", "90", "--suppress-health-check", "all",
+               "--no-color", "--report", "junit", "--report-dir", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "SCHEMATHESIS_HOOKS": "tests.service.schemathesis_hooks"}
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
     output = run.stdout + run.stderr
-    print(output)  # the run's summary: operations, phases, cases, and its warnings
     assert run.returncode == 0, f"{output[-12000:]}\n--- API log ---\n{live.api.log_tail(4000)}"
     tested = re.search(r"(\d+) generated", output)
     assert tested and int(tested.group(1)) >= 100, output[-3000:]
