@@ -21,6 +21,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from api.models import ErrorBody
+from auk_worker import formats
 
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
                                 "schema": {"type": "integer", "minimum": 0}}}  # fmt: skip
@@ -35,6 +36,8 @@ ERROR_STATUSES: dict[int, tuple[str, dict[str, Any]]] = {
     409: ("The record has already ended.", {}),
     413: ("The body is over the route's limit; the connection is closed.", {}),
     415: ("The body's Content-Type is not one the route reads.", {}),
+    416: ("The Range lies past the end of the audio.",
+          {"Content-Range": {"description": "bytes */*", "schema": {"type": "string"}}}),
     422: ("The request parses but breaks a rule; `details` names each field (or batch line) and why.", {}),
     429: ("A per-key quota is spent: requests in flight, request rate or queued jobs.", _RETRY_AFTER),
     500: ("An unexpected fault; the request was not completed.", {}),
@@ -42,6 +45,9 @@ ERROR_STATUSES: dict[int, tuple[str, dict[str, Any]]] = {
     504: ("The render did not finish in time (AUK_SPEECH_TIMEOUT); the job goes on.", {}),
 }
 BODY_ERRORS = (400, 408, 413, 415, 422)
+
+# A stored result as it is streamed back: any of the output formats (``auk_worker/formats.py``).
+AUDIO_CONTENT = {spec.mime_type: {"schema": {"type": "string", "format": "binary"}} for spec in formats.FORMATS.values()}
 
 
 _ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}

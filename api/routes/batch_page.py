@@ -18,17 +18,14 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 
 from api.deps import Services, services
 from api.links import LinkSigner
-from api.openapi import documented
+from api.openapi import AUDIO_CONTENT, documented
 from api.pages import render_page
-from auk_worker import formats
 from auk_worker.errors import InfraError, NotFound
 from auk_worker.service.jobs import JobRecord, JobStatus
 
 router = APIRouter(tags=["batch page"])
 
 CHUNK = 64 * 1024
-# What the stored object is: any of the output formats (auk_worker/formats.py).
-AUDIO_CONTENT = {spec.mime_type: {"schema": {"type": "string", "format": "binary"}} for spec in formats.FORMATS.values()}
 _RANGE = re.compile(r"^bytes=\d*-\d*$")
 
 

@@ -50,7 +50,8 @@ def owned_job(svc: Services, job_id: str, owner: str) -> JobRecord:
 
 @router.post("/jobs", status_code=202, summary="Enqueue one render",
              **documented(JobOut, *BODY_ERRORS, status=202, description="The job, queued.",
-                          follow=links(GetJob=("get_job", "job_id"), CancelJob=("cancel_job", "job_id")),
+                          follow=links(GetJob=("get_job", "job_id"), CancelJob=("cancel_job", "job_id"),
+                                       GetAudio=("get_audio", "job_id")),
                           more={200: {"model": JobOut,
                                       "description": "The job an earlier request with this Idempotency-Key made."}}))
 def create_job(

@@ -112,8 +112,11 @@ def test_document_types_every_json_answer_and_gives_examples(document: dict) -> 
     assert schemas["JobRequest"]["examples"] and schemas["SpeechRequest"]["examples"]
     batch = document["paths"]["/v1/batches"]["post"]["requestBody"]["content"]["application/x-ndjson"]
     assert batch["example"].count("\n") == 2
-    speech = document["paths"]["/v1/audio/speech"]["post"]["responses"]["200"]["content"]
-    assert {"audio/wav", "audio/flac", "audio/mpeg"} <= set(speech)
+    for path, method in (("/v1/audio/speech", "post"), ("/v1/jobs/{job_id}/audio", "get"),
+                         ("/batches/{batch_id}/audio/{job_id}", "get")):  # fmt: skip
+        audio = document["paths"][path][method]["responses"]["200"]["content"]
+        assert {"audio/wav", "audio/flac", "audio/mpeg"} <= set(audio) and "application/json" not in audio, path
+    assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert document["paths"]["/v1/jobs"]["post"]["responses"]["202"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/JobOut"}
 
@@ -132,7 +135,7 @@ def test_document_names_operations_and_links_them(document: dict) -> None:
                 names = {param["name"] for param in target.get("parameters", [])}
                 assert set(link["parameters"]) <= names, link
                 followed.add(link["operationId"])
-    assert {"get_job", "cancel_job", "get_batch", "cancel_batch", "get_voice", "delete_voice"} <= followed
+    assert {"get_job", "cancel_job", "get_audio", "get_batch", "cancel_batch", "get_voice", "delete_voice"} <= followed
 
 
 # ------------------------------------------------------------------------------------------- the live service
