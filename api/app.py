@@ -1,10 +1,11 @@
 """The REST API: an app factory over one ``Settings``.
 
 ``create_app(settings)`` builds the FastAPI app over its clients (``api/deps.py``), its error mapping
-(``api/errors.py``), its routes (``api/routes/``) and, in front of them, the request guard (``api/guard.py``: the
-key, the per-key quotas and the body limits, checked before any body is read). Nothing connects at import time; ``make_app()`` reads the
-environment and is what ``uvicorn --factory api.app:make_app`` (and ``python -m api``) serves; the module attribute
-``app`` is the same, built on first access.
+(``api/errors.py``), its routes (``api/routes/``), their OpenAPI document (``api/openapi.py``, ``api/models.py``)
+and, in front of them, the request guard (``api/guard.py``: the key, the per-key quotas and the body limits,
+checked before any body is read). Nothing connects at import time; ``make_app()`` reads the environment and is
+what ``uvicorn --factory api.app:make_app`` (and ``python -m api``) serves; the module attribute ``app`` is the
+same, built on first access.
 
 The API never imports torch: it validates, writes the job record, sends ``auk.render`` by name and reads status.
 """

@@ -1,23 +1,24 @@
-"""What the OpenAPI document says about answers: the error statuses each route can give, in the one error shape
-(``api/errors.py``), and ``documented`` for a route's success answer.
+"""What the OpenAPI document says beyond the routes' signatures: the error statuses each route can give, in the
+one error shape (``api/errors.py``), the success answers (``documented``), operationIds and links.
 
 Every ``/v1`` route can answer 401 (no or a bad key, from the request guard, before any body is read), 429 (a
 per-key quota, with ``Retry-After``), 503 (Redis or storage down, with ``Retry-After``) and, as a last resort, 500;
 the routers declare those (``V1_ERRORS``). Routes add what else they can give: 422 where they take parameters,
-400/408/413/415 where they read a body, 404 where they name a record, 409 where they cancel.
+400/408/413/415 where they read a body, 404 where they name a record, 409 where a record has ended, 416 for a range
+past the audio, 504 for a speech render that outlasts its wait.
 
-``install_openapi`` replaces FastAPI's generated document with one where no operation is left with FastAPI's
-default 422 (``HTTPValidationError``, a shape this API never sends): any that remains becomes the real error body.
+An operationId is the route function's name (``create_job``), and a created record's answer links to the
+operations that take its id (``links``), so that generated clients read well and can follow them.
+``install_openapi`` serves the document with ``ErrorBody`` in its components and no operation left with FastAPI's
+default 422 (``HTTPValidationError``, a shape this API never sends).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from api.models import ErrorBody
@@ -47,7 +48,8 @@ ERROR_STATUSES: dict[int, tuple[str, dict[str, Any]]] = {
 BODY_ERRORS = (400, 408, 413, 415, 422)
 
 # A stored result as it is streamed back: any of the output formats (``auk_worker/formats.py``).
-AUDIO_CONTENT = {spec.mime_type: {"schema": {"type": "string", "format": "binary"}} for spec in formats.FORMATS.values()}
+AUDIO_CONTENT = {spec.mime_type: {"schema": {"type": "string", "format": "binary"}}
+                 for spec in formats.FORMATS.values()}
 
 
 _ERROR_CONTENT = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
@@ -59,7 +61,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     out: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         description, headers = ERROR_STATUSES[status]
-        out[status] = {"description": description, "content": _ERROR_CONTENT, **({"headers": headers} if headers else {})}
+        out[status] = {"description": description, "content": _ERROR_CONTENT}
+        if headers:
+            out[status]["headers"] = headers
     return out
 
 
@@ -113,14 +117,13 @@ def links(field: str = "id", **targets: tuple[str, str]) -> dict[str, dict[str, 
             for name, (target, param) in targets.items()}
 
 
-def install_openapi(app: FastAPI, tags: Iterable[dict[str, Any]] = ()) -> None:
-    """Serve the document built as described above (built once, on first request)."""
+def install_openapi(app: FastAPI) -> None:
+    """Serve FastAPI's document as described above (built once, on first request)."""
+    build = app.openapi  # FastAPI's own: the routes' document, with the app's title, tags and servers
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
-                              tags=list(tags) or None)  # fmt: skip
-            app.openapi_schema = _with_error_body(doc)
+            app.openapi_schema = _with_error_body(build())
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -24,8 +24,8 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", **documented(Readiness, description="Redis and storage answer.",
-                                   more={503: {"model": Readiness, "description": "Redis or storage does not answer."}}))
+@router.get("/readyz", **documented(Readiness, description="Redis and storage answer.", more={
+    503: {"model": Readiness, "description": "Redis or storage does not answer."}}))
 def readyz(svc: Services = Depends(services)) -> JSONResponse:
     """Redis and storage answer; which workers hold a fresh heartbeat: id, state, variant, heartbeat age."""
     return readiness(svc)

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import RETRY_AFTER_S, error_response
-from api.openapi import BODY_ERRORS, V1_ERRORS, errors
+from api.openapi import AUDIO_CONTENT, BODY_ERRORS, V1_ERRORS, errors
 from api.speech import SpeechRequest, resolve_clip, to_job
 from api.submit import enqueue_interactive
 from auk_worker import formats
@@ -40,7 +40,7 @@ router = APIRouter(prefix="/v1", tags=["speech"], responses=V1_ERRORS)
 
 _AUDIO_RESPONSES = {
     200: {"description": "The audio, in the requested format; its job id in X-Job-Id, the time split in Server-Timing.",
-          "content": {spec.mime_type: {"schema": {"type": "string", "format": "binary"}} for spec in formats.FORMATS.values()},
+          "content": AUDIO_CONTENT,
           "headers": {"X-Job-Id": {"description": "the job's id (GET /v1/jobs/{id})", "schema": {"type": "string"}},
                       "Server-Timing": {"description": "submit, queue, prepare, render, encode, transfer, total (ms)",
                                         "schema": {"type": "string"}}}},
