@@ -24,21 +24,21 @@ from pydantic import BaseModel
 from api.models import ErrorBody
 from auk_worker import formats
 
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again", "required": True,
                                 "schema": {"type": "integer", "minimum": 0}}}  # fmt: skip
 
 # status: (when it is answered, response headers)
 ERROR_STATUSES: dict[int, tuple[str, dict[str, Any]]] = {
     400: ("The body is not what the route reads: not JSON, not a JSON object, not UTF-8, an empty body.", {}),
     401: ("No API key, or not a valid one (`Authorization: Bearer <key>`).",
-          {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}),
+          {"WWW-Authenticate": {"description": "Bearer", "required": True, "schema": {"type": "string"}}}),
     404: ("No such record for this key (another key's record answers the same).", {}),
     408: ("The body arrived too slowly (AUK_API_BODY_TIMEOUT, AUK_API_BODY_MIN_RATE); the connection is closed.", {}),
     409: ("The record has already ended.", {}),
     413: ("The body is over the route's limit; the connection is closed.", {}),
     415: ("The body's Content-Type is not one the route reads.", {}),
     416: ("The Range lies past the end of the audio.",
-          {"Content-Range": {"description": "bytes */*", "schema": {"type": "string"}}}),
+          {"Content-Range": {"description": "bytes */*", "required": True, "schema": {"type": "string"}}}),
     422: ("The request parses but breaks a rule; `details` names each field (or batch line) and why.", {}),
     429: ("A per-key quota is spent: requests in flight, request rate or queued jobs.", _RETRY_AFTER),
     500: ("An unexpected fault; the request was not completed.", {}),

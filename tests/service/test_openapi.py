@@ -45,8 +45,10 @@ PREFIX = "test-openapi"
 # Fuzzed cases per operation; the explicit examples and the coverage phase's boundary cases come on top.
 MAX_EXAMPLES = int(os.environ.get("AUK_OPENAPI_EXAMPLES", "30"))
 SEED = "20261204"
+# The four the document must pass, plus: the response headers it declares required are sent (Retry-After on 429
+# and 503, WWW-Authenticate on 401), and each operation that declares the bearer scheme refuses a missing or bad key.
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance",
-          "ignored_auth")  # the last: each operation that declares the bearer scheme refuses a missing or bad key
+          "response_headers_conformance", "ignored_auth")
 UNAUTHENTICATED = {"/healthz", "/readyz", "/metrics", "/batches/{batch_id}", "/batches/{batch_id}/audio/{job_id}"}
 
 
