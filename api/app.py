@@ -1,10 +1,11 @@
 """The REST API: an app factory over one ``Settings``.
 
 ``create_app(settings)`` builds the FastAPI app over its clients (``api/deps.py``), its error mapping
-(``api/errors.py``), its routes (``api/routes/``) and, in front of them, the request guard (``api/guard.py``: the
-key, the per-key quotas and the body limits, checked before any body is read). Nothing connects at import time; ``make_app()`` reads the
-environment and is what ``uvicorn --factory api.app:make_app`` (and ``python -m api``) serves; the module attribute
-``app`` is the same, built on first access.
+(``api/errors.py``), its routes (``api/routes/``), their OpenAPI document (``api/openapi.py``, ``api/models.py``)
+and, in front of them, the request guard (``api/guard.py``: the key, the per-key quotas and the body limits,
+checked before any body is read). Nothing connects at import time; ``make_app()`` reads the environment and is
+what ``uvicorn --factory api.app:make_app`` (and ``python -m api``) serves; the module attribute ``app`` is the
+same, built on first access.
 
 The API never imports torch: it validates, writes the job record, sends ``auk.render`` by name and reads status.
 """
@@ -23,6 +24,7 @@ from api.deps import build_services, start_dispatcher
 from api.errors import install_error_handlers
 from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
 from api.links import LinkSigner
+from api.openapi import install_openapi, operation_id
 from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
                         voices, webhooks)
 from auk_worker.errors import InfraError
@@ -69,6 +71,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         description="Enqueue AuK speech renders, follow their progress and fetch the audio; or render speech in one call.",
         lifespan=lifespan,
+        generate_unique_id_function=operation_id,
     )
     app.state.services = built
     app.state.keyring = KeyRing(settings.api_keys)
@@ -77,6 +80,7 @@ def create_app(settings: Settings) -> FastAPI:
     routers = (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics)
     for routes in routers:
         app.include_router(routes.router)
+    install_openapi(app)
 
     # (what, limit) of each route's body: the guard cuts a body there, whatever its headers say.
     limits = {"/v1/uploads": ("the upload", settings.max_upload_bytes),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
+from fastapi import Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from auk_worker.errors import Unauthorized
 from auk_worker.service.jobs import owner_id
@@ -33,7 +34,13 @@ class KeyRing:
         return owner_id(token)
 
 
-def caller(request: Request) -> str:
+# The scheme as the OpenAPI document declares it on every route that depends on ``caller``. It never refuses by
+# itself (``auto_error=False``): the request guard and ``KeyRing`` answer a missing or bad key with the API's 401.
+bearer = HTTPBearer(scheme_name="bearer", bearerFormat="API key",
+                    description="An API key from AUK_API_KEYS: `Authorization: Bearer <key>`.", auto_error=False)
+
+
+def caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
     """FastAPI dependency: the calling key's owner id (as the request guard found it, else from the header)."""
     owner = request.scope.get("state", {}).get("owner")
     if owner:

@@ -60,7 +60,12 @@ FETCH_TIMEOUT_S = 10.0
 class SpeechRequest(BaseModel):
     """The body of ``POST /v1/audio/speech``; unknown fields are refused by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "auk", "input": "The last train leaves at midnight.", "voice": "voice_3f9a1c2b",
+         "task_type": "Base", "response_format": "mp3"},
+        {"model": "auk", "input": "Welcome back.", "instructions": "A calm narrator: \"Welcome back.\"",
+         "duration_seconds": 3.0, "response_format": "wav", "seed": 7},
+    ]})  # fmt: skip
 
     model: str | None = None
     input: str = Field(default="", max_length=rules.MAX_INSTRUCTION_CHARS)

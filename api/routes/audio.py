@@ -13,28 +13,27 @@ from typing import Annotated
 
 from botocore.exceptions import ClientError
 from fastapi import APIRouter, Depends, Header
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api.auth import caller
 from api.deps import Services, services
+from api.openapi import AUDIO_CONTENT, V1_ERRORS, documented
 from api.routes.jobs import owned_job
 from auk_worker.errors import Conflict, NotFound
 from auk_worker.service.jobs import JobStatus
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], responses=V1_ERRORS)
 
 CHUNK = 64 * 1024
 
 
 @router.get("/jobs/{job_id}/audio", summary="Download a finished job's audio through the API",
             response_class=StreamingResponse,
-            responses={200: {"content": {"audio/*": {}}, "description": "the rendered audio, in the job's format"},
-                       206: {"content": {"audio/*": {}}, "description": "the requested byte range"},
-                       404: {"description": "no such job for this key, or its audio has expired"},
-                       409: {"description": "the job has not succeeded"},
-                       416: {"description": "the range lies past the end of the audio"}})  # fmt: skip
+            **documented(None, 404, 409, 416, 422, description="The rendered audio, in the job's format.",
+                         content=AUDIO_CONTENT,
+                         more={206: {"content": AUDIO_CONTENT, "description": "The requested byte range."}}))
 def get_audio(
     job_id: str,
     owner: str = Depends(caller),
@@ -49,7 +48,9 @@ def get_audio(
     try:
         obj = svc.storage.open(record.result["key"], byte_range)
     except ClientError:  # InvalidRange: past the end of the object
-        return Response(status_code=416, headers={"Content-Range": "bytes */*"})
+        return JSONResponse({"error": {"code": "range_not_satisfiable", "message": f"the range {byte_range!r} lies "
+                                       "past the end of the audio"}}, status_code=416,
+                            headers={"Content-Range": "bytes */*"})  # fmt: skip
     if obj is None:
         raise NotFound(f"job {job_id!r}: its audio has been removed (results are kept for a limited time)",
                        code="result_expired")  # fmt: skip

@@ -18,15 +18,18 @@ from api.auth import caller
 from api.batch_views import batch_record
 from api.deps import Services, services
 from api.links import MAX_LINK_SECONDS, LinkSigner
+from api.models import BatchCanceled, BatchLink, BatchPage
+from api.openapi import V1_ERRORS, documented
 from auk_worker.errors import Conflict, InputError, NotFound
 from auk_worker.service.batches import write_results
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["batches"])
+router = APIRouter(prefix="/v1", tags=["batches"], responses=V1_ERRORS)
 
 
-@router.get("/batches", summary="List the caller's batches, newest first, with their counts")
+@router.get("/batches", summary="List the caller's batches, newest first, with their counts",
+            **documented(BatchPage, 422))
 def list_batches(
     owner: str = Depends(caller),
     svc: Services = Depends(services),
@@ -40,7 +43,8 @@ def list_batches(
     return {"data": [batch_record(svc, batch) for batch in batches], "next_cursor": next_cursor}
 
 
-@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch: its queued and running jobs end canceled")
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch: its queued and running jobs end canceled",
+             **documented(BatchCanceled, 404, 409, 422))
 def cancel_batch(batch_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     batch = svc.batches.owned(batch_id, owner)
     if batch is None:
@@ -57,7 +61,8 @@ def cancel_batch(batch_id: str, owner: str = Depends(caller), svc: Services = De
     return body
 
 
-@router.get("/batches/{batch_id}/link", summary="A signed link to the batch's listening page")
+@router.get("/batches/{batch_id}/link", summary="A signed link to the batch's listening page",
+            **documented(BatchLink, 404, 422))
 def batch_link(
     batch_id: str,
     request: Request,

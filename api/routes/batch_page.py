@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 
 from api.deps import Services, services
 from api.links import LinkSigner
+from api.openapi import AUDIO_CONTENT, documented
 from api.pages import render_page
 from auk_worker.errors import InfraError, NotFound
 from auk_worker.service.jobs import JobRecord, JobStatus
@@ -50,7 +51,9 @@ def _authorize(request: Request, svc: Services, batch_id: str, exp: str | None,
     return batch, int(exp), sig
 
 
-@router.get("/batches/{batch_id}", response_class=HTMLResponse, summary="Listen to a batch (signed link)")
+@router.get("/batches/{batch_id}", response_class=HTMLResponse, summary="Listen to a batch (signed link)",
+            **documented(None, 401, 404, 422, 500, 503, description="The listening page.",
+                         content={"text/html": {"schema": {"type": "string"}}}))
 def batch_page(
     batch_id: str,
     request: Request,
@@ -71,7 +74,11 @@ def batch_page(
                                        "X-Content-Type-Options": "nosniff"})  # fmt: skip
 
 
-@router.get("/batches/{batch_id}/audio/{job_id}", summary="A batch line's audio (signed link)")
+@router.get("/batches/{batch_id}/audio/{job_id}", summary="A batch line's audio (signed link)",
+            response_class=StreamingResponse,
+            **documented(None, 401, 404, 422, 500, 503, description="The line's audio.", content=AUDIO_CONTENT,
+                         more={206: {"description": "The requested byte range of the line's audio.",
+                                     "content": AUDIO_CONTENT}}))
 def batch_audio(
     batch_id: str, job_id: str, request: Request, svc: Services = Depends(services), exp: str | None = None,
     sig: str | None = None,

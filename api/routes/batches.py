@@ -25,24 +25,30 @@ from api.auth import caller
 from api.deps import Services, services
 from api.batch_views import batch_record
 from api.errors import describe_validation_errors, json_failure, summarize, too_large
+from api.models import BatchCreated, BatchOut
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_batch
 from auk_worker.errors import InputError, MalformedBody, NotFound, UnsupportedMediaType
 from auk_worker.service.schema import JobRequest
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["batches"])
+router = APIRouter(prefix="/v1", tags=["batches"], responses=V1_ERRORS)
 
 MAX_BATCH_LINES = 10_000
 MAX_BATCH_BYTES = 64 * 1024 * 1024
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/json-lines", "text/plain", "")
 
+BATCH_EXAMPLE = (
+    '{"custom_id": "line-1", "instruction": "A calm narrator: \\"Chapter one.\\"", "gen_seconds": 3}\n'
+    '{"custom_id": "line-2", "instruction": "A calm narrator: \\"Chapter two.\\"", "gen_seconds": 4, "seed": 7}\n'
+)
 _BATCH_BODY_DOC = {
     "requestBody": {
         "required": True,
         "description": "JSONL: one job request per line, each with a unique custom_id; or a multipart `file`.",
         "content": {
-            "application/x-ndjson": {"schema": {"type": "string"}},
+            "application/x-ndjson": {"schema": {"type": "string"}, "example": BATCH_EXAMPLE},
             "text/plain": {"schema": {"type": "string"}},
             "multipart/form-data": {
                 "schema": {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}},
@@ -125,7 +131,10 @@ def parse_lines(text: str) -> tuple[list[tuple[int, JobRequest]], list[dict]]:
     return good, bad
 
 
-@router.post("/batches", status_code=202, summary="Enqueue a JSONL batch", openapi_extra=_BATCH_BODY_DOC)
+@router.post("/batches", status_code=202, summary="Enqueue a JSONL batch", openapi_extra=_BATCH_BODY_DOC,
+             **documented(BatchCreated, *BODY_ERRORS, status=202, description="The batch, queued.",
+                          follow=links(GetBatch=("get_batch", "batch_id"), CancelBatch=("cancel_batch", "batch_id"),
+                                       BatchLink=("batch_link", "batch_id"))))
 async def create_batch(request: Request, owner: str = Depends(caller), svc: Services = Depends(services),
                        webhook_url: str | None = Query(None, min_length=1, max_length=2048)) -> dict:
     data = await _read_body(request)
@@ -148,7 +157,8 @@ def _parse_and_submit(svc: Services, owner: str, text: str, webhook_url: str | N
     return submit_batch(svc, owner, good, bad, webhook_url)
 
 
-@router.get("/batches/{batch_id}", summary="Read a batch: counts by status; once done, its manifest and error file")
+@router.get("/batches/{batch_id}", summary="Read a batch: counts by status; once done, its manifest and error file",
+            **documented(BatchOut, 404, 422))
 def get_batch(batch_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     batch = svc.batches.owned(batch_id, owner)
     if batch is None:

@@ -10,19 +10,22 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from api.deps import Services, services
+from api.models import Alive, Readiness
+from api.openapi import documented
 from auk_worker.service.health import SERVING_STATES, public_view, read_heartbeats
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["health"])
 
-@router.get("/healthz")
+@router.get("/healthz", **documented(Alive, description="The process is alive."))
 def healthz() -> dict:
     """The process is alive."""
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", **documented(Readiness, description="Redis and storage answer.", more={
+    503: {"model": Readiness, "description": "Redis or storage does not answer."}}))
 def readyz(svc: Services = Depends(services)) -> JSONResponse:
     """Redis and storage answer; which workers hold a fresh heartbeat: id, state, variant, heartbeat age."""
     return readiness(svc)

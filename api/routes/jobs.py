@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import require_cancelable
+from api.models import JobOut, JobPage
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_job
 from auk_worker.errors import Conflict, InputError, NotFound
 from auk_worker.service.jobs import JobRecord, JobStatus
@@ -22,7 +24,7 @@ from auk_worker.service.schema import JobRequest
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], responses=V1_ERRORS)
 
 MAX_IDEMPOTENCY_KEY = 255
 
@@ -47,7 +49,11 @@ def owned_job(svc: Services, job_id: str, owner: str) -> JobRecord:
 
 
 @router.post("/jobs", status_code=202, summary="Enqueue one render",
-             responses={200: {"description": "the job an earlier request with this Idempotency-Key made"}})
+             **documented(JobOut, *BODY_ERRORS, status=202, description="The job, queued.",
+                          follow=links(GetJob=("get_job", "job_id"), CancelJob=("cancel_job", "job_id"),
+                                       GetAudio=("get_audio", "job_id")),
+                          more={200: {"model": JobOut,
+                                      "description": "The job an earlier request with this Idempotency-Key made."}}))
 def create_job(
     body: JobRequest,
     owner: str = Depends(caller),
@@ -58,12 +64,12 @@ def create_job(
     return JSONResponse(public(svc, record), status_code=202 if created else 200)
 
 
-@router.get("/jobs/{job_id}", summary="Read one job")
+@router.get("/jobs/{job_id}", summary="Read one job", **documented(JobOut, 404, 422))
 def get_job(job_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     return public(svc, owned_job(svc, job_id, owner))
 
 
-@router.get("/jobs", summary="List the caller's jobs, newest first")
+@router.get("/jobs", summary="List the caller's jobs, newest first", **documented(JobPage, 422))
 def list_jobs(
     owner: str = Depends(caller),
     svc: Services = Depends(services),
@@ -79,7 +85,8 @@ def list_jobs(
     return {"data": [public(svc, record) for record in records], "next_cursor": next_cursor}
 
 
-@router.post("/jobs/{job_id}/cancel", summary="Cancel a queued or running job")
+@router.post("/jobs/{job_id}/cancel", summary="Cancel a queued or running job",
+             **documented(JobOut, 404, 409, 422, description="The job, canceled."))
 def cancel_job(job_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     record = owned_job(svc, job_id, owner)
     require_cancelable(record.status, job_id)

@@ -9,7 +9,9 @@ from starlette.concurrency import run_in_threadpool
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", summary="Prometheus metrics of this API process", response_class=Response,
+            responses={200: {"description": "The Prometheus text exposition.",
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     """Request counts and latencies of this process; queue depths, job counts and workers read from Redis."""
     body = await run_in_threadpool(generate_latest, request.app.state.metrics.registry)  # the Redis reads block

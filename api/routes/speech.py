@@ -25,7 +25,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import caller
 from api.deps import Services, services
-from api.errors import error_response
+from api.errors import RETRY_AFTER_S, error_response
+from api.openapi import AUDIO_CONTENT, BODY_ERRORS, V1_ERRORS, errors
 from api.speech import SpeechRequest, resolve_clip, to_job
 from api.submit import enqueue_interactive
 from auk_worker import formats
@@ -35,11 +36,15 @@ from auk_worker.service.replies import WAIT_SLICE_S, Reply
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["speech"])
+router = APIRouter(prefix="/v1", tags=["speech"], responses=V1_ERRORS)
 
 _AUDIO_RESPONSES = {
-    200: {"description": "the audio, in the requested format",
-          "content": {spec.mime_type: {"schema": {"type": "string", "format": "binary"}} for spec in formats.FORMATS.values()}},
+    200: {"description": "The audio, in the requested format; its job id in X-Job-Id, the time split in Server-Timing.",
+          "content": AUDIO_CONTENT,
+          "headers": {"X-Job-Id": {"description": "the job's id (GET /v1/jobs/{id})", "schema": {"type": "string"}},
+                      "Server-Timing": {"description": "submit, queue, prepare, render, encode, transfer, total (ms)",
+                                        "schema": {"type": "string"}}}},
+    **errors(*BODY_ERRORS, 504),
 }  # fmt: skip
 
 
@@ -53,7 +58,8 @@ def _job_error(code: str, message: str) -> JSONResponse:
     status = SERVER_FAULTS.get(code)
     if status is None:
         return error_response(InputError(message, code=code))
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
 def _submit(svc: Services, owner: str, body: SpeechRequest) -> tuple[str, float]:

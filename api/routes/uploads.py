@@ -19,13 +19,15 @@ from fastapi import APIRouter, Depends, File, UploadFile
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import too_large
+from api.models import UploadOut
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented
 from auk_worker.audio import decode_audio
 from auk_worker.service.storage import upload_key
 from auk_worker.service.uploads import Upload
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["uploads"])
+router = APIRouter(prefix="/v1", tags=["uploads"], responses=V1_ERRORS)
 
 READ_CHUNK = 1 << 20
 
@@ -45,7 +47,8 @@ def _channels(data: bytes) -> int:
     return sf.info(io.BytesIO(data)).channels
 
 
-@router.post("/uploads", status_code=201, summary="Upload an audio clip")
+@router.post("/uploads", status_code=201, summary="Upload an audio clip",
+             **documented(UploadOut, *BODY_ERRORS, status=201, description="The clip, stored."))
 def create_upload(
     file: UploadFile = File(..., description="an audio file soundfile can decode (WAV, FLAC, OGG...)"),
     owner: str = Depends(caller),

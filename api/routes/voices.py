@@ -19,6 +19,8 @@ from starlette.datastructures import UploadFile
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import too_large
+from api.models import VoiceDeleted, VoiceList, VoiceOut
+from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.routes.uploads import _channels
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, NotFound, UnsupportedMediaType
@@ -28,7 +30,7 @@ from auk_worker.service.voices import Voice, new_voice_id
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1", tags=["voices"])
+router = APIRouter(prefix="/v1", tags=["voices"], responses=V1_ERRORS)
 
 MAX_NAME = 200
 
@@ -42,8 +44,10 @@ _VOICE_BODY_DOC = {
                            "properties": {"file": {"type": "string", "format": "binary"}, "name": {"type": "string"}}},
             },
             "application/json": {
-                "schema": {"type": "object", "required": ["upload_id"],
-                           "properties": {"upload_id": {"type": "string"}, "name": {"type": "string"}}},
+                "schema": {"type": "object", "required": ["upload_id"], "additionalProperties": False,
+                           "properties": {"upload_id": {"type": "string"},
+                                          "name": {"type": "string", "maxLength": MAX_NAME}}},
+                "example": {"upload_id": "9f1c2e4b7a8d4c0e9b6a5f3d2c1b0a99", "name": "narrator"},
             },
         },
     }
@@ -89,7 +93,10 @@ async def _source(request: Request, svc: Services, owner: str) -> tuple[bytes, s
     raise UnsupportedMediaType(f"a voice is a multipart file or JSON with an upload_id, not {content_type!r}")
 
 
-@router.post("/voices", status_code=201, summary="Make a reusable voice from a clip", openapi_extra=_VOICE_BODY_DOC)
+@router.post("/voices", status_code=201, summary="Make a reusable voice from a clip", openapi_extra=_VOICE_BODY_DOC,
+             **documented(VoiceOut, *BODY_ERRORS, status=201, description="The voice.",
+                          follow=links("voice_id", GetVoice=("get_voice", "voice_id"),
+                                       DeleteVoice=("delete_voice", "voice_id"))))
 async def create_voice(request: Request, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     data, content_type, name = await _source(request, svc, owner)
     return await run_in_threadpool(_store_voice, svc, owner, data, content_type, name)
@@ -108,12 +115,12 @@ def _store_voice(svc: Services, owner: str, data: bytes, content_type: str, name
     return voice.public()
 
 
-@router.get("/voices", summary="List the caller's voices, newest first")
+@router.get("/voices", summary="List the caller's voices, newest first", **documented(VoiceList))
 def list_voices(owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     return {"object": "list", "data": [voice.public() for voice in svc.voices.list(owner)]}
 
 
-@router.get("/voices/{voice_id}", summary="Read one voice")
+@router.get("/voices/{voice_id}", summary="Read one voice", **documented(VoiceOut, 404, 422))
 def get_voice(voice_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     voice = svc.voices.get(voice_id, owner)
     if voice is None:
@@ -121,7 +128,7 @@ def get_voice(voice_id: str, owner: str = Depends(caller), svc: Services = Depen
     return voice.public()
 
 
-@router.delete("/voices/{voice_id}", summary="Delete a voice and its clip")
+@router.delete("/voices/{voice_id}", summary="Delete a voice and its clip", **documented(VoiceDeleted, 404, 422))
 def delete_voice(voice_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
     voice = svc.voices.delete(voice_id, owner)
     if voice is None:

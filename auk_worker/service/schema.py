@@ -52,7 +52,13 @@ class AudioRef(BaseModel):
 class JobRequest(BaseModel):
     """One render job as a caller submits it (a REST body or a batch line)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"instruction": "Say the following with the same voice: \"The last train leaves at midnight.\"",
+         "audio": {"upload_id": "9f1c2e4b7a8d4c0e9b6a5f3d2c1b0a99"}, "num_inference_steps": 32, "seed": 7,
+         "response_format": "flac"},
+        {"instruction": "A calm narrator: \"Welcome back.\"", "gen_seconds": 3.5, "variant": "base",
+         "custom_id": "welcome-1"},
+    ]})  # fmt: skip
 
     # Numbers are strict: "2" or true is refused rather than read as 2 or 1, and NaN and infinities by name.
     instruction: str = Field(min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
