@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import typing
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import httpx

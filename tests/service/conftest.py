@@ -99,20 +99,8 @@ def start_worker(service_env: dict[str, str], tmp_path: Path) -> Iterator[Callab
         worker.terminate(timeout=20)
 
 
-def tiny_pipeline_available() -> bool:
-    """The real pipeline on the tiny checkpoint needs both modules; until they land those tests skip."""
-    try:
-        import auk_worker.pipeline  # noqa: F401
-        import auk_dev.tiny  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not tiny_pipeline_available():
-        pytest.skip("auk_dev.tiny / auk_worker.pipeline not importable yet")
     from auk_dev.tiny import make_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("tiny") / "auk-tiny-base"

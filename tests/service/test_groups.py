@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 import yaml
 
 from auk_worker.deploy import DiTSampling
