@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from auk_worker.service.caches import use_compile_caches
+from auk_worker.service.caches import CACHE_VARIABLES, use_compile_caches
 from auk_worker.service.settings import Settings
 
 
@@ -30,5 +31,8 @@ def test_torch_reads_the_directory_it_was_given(tmp_path: Path) -> None:
         "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
         "print(cache_dir())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    # A torch that ran in this process has put its default into our environment: the child starts without it.
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                         env=env)  # fmt: skip
     assert out.stdout.strip() == str(tmp_path / "inductor")

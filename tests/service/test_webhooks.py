@@ -132,12 +132,13 @@ def wait_for_state(store: WebhookStore, delivery_id: str, state: str, timeout: f
 
 def test_retries_with_growing_delays_then_delivered_and_signed(make_dispatcher, secrets) -> None:
     with Receiver(lambda: secrets.get(OWNER), answer=lambda n: 500 if n <= 3 else 204) as receiver:
-        dispatcher = make_dispatcher(RetryPolicy(base_s=0.3, cap_s=5, max_attempts=6), jitter=lambda: 1.0).start()
+        dispatcher = make_dispatcher(RetryPolicy(base_s=0.3, cap_s=5, max_attempts=6), jitter=lambda: 1.0)
         record = {"id": "job1", "status": "succeeded", "result": {"key": "jobs/job1.wav"}}
         delivery_id = dispatcher.store.enqueue(OWNER, receiver.url(), "job.succeeded", record)
-        pending = dispatcher.store.state(delivery_id)
+        pending = dispatcher.store.state(delivery_id)  # read before the dispatcher starts: no attempt yet
         assert pending["state"] == "pending" and pending["attempts"] == 0 and pending["next_attempt_at"].endswith("Z")
         assert pending["last_status"] is None and pending["last_error"] is None and pending["delivered_at"] is None
+        dispatcher.start()
         state = wait_for_state(dispatcher.store, delivery_id, "delivered")
 
     assert state["attempts"] == 4 and state["last_status"] == 204 and state["last_error"] is None
