@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from auk_worker.service.jobs import TERMINAL, JobStatus, JobStore, utc_now
+from auk_worker.service.jobs import TERMINAL, JobStatus, JobStore, batch_from_hash, utc_now
 from auk_worker.service.storage import manifest_key
 
 log = logging.getLogger(__name__)
@@ -77,27 +77,8 @@ class BatchBook:
             pipe.hset(self.store.batch_key(batch_id), "webhook_url", webhook_url)
         pipe.execute()
 
-    @staticmethod
-    def _from_hash(raw: dict[str, str]) -> dict[str, Any]:
-        total, terminal = int(raw["total"]), int(raw.get("terminal", 0))
-        return {
-            "id": raw["id"],
-            "owner": raw["owner"],
-            "total": total,
-            "counts": {s.value: int(raw.get(f"n_{s.value}", 0)) for s in JobStatus},
-            "created_at": raw["created_at"],
-            "finished_at": raw.get("finished_at") or None,
-            "done": terminal >= total,
-            "manifest_key": raw.get("manifest_key") or None,
-            "error_key": raw.get("error_key") or None,
-            "error_count": int(raw.get("error_count") or 0),
-            "canceled_at": raw.get("canceled_at") or None,
-            "webhook_url": raw.get("webhook_url") or None,
-        }
-
     def get(self, batch_id: str) -> dict[str, Any] | None:
-        raw = self.redis.hgetall(self.store.batch_key(batch_id))
-        return self._from_hash(raw) if raw else None
+        return self.store.get_batch(batch_id)
 
     def owned(self, batch_id: str, owner: str) -> dict[str, Any] | None:
         """The batch if ``owner`` made it; None for a missing or foreign one (they look the same)."""
@@ -119,7 +100,7 @@ class BatchBook:
         pipe = self.redis.pipeline(transaction=False)
         for batch_id, _ in rows:
             pipe.hgetall(self.store.batch_key(batch_id))
-        batches = [self._from_hash(raw) for raw in pipe.execute() if raw]
+        batches = [batch_from_hash(raw) for raw in pipe.execute() if raw]
         page = batches[:limit]
         next_cursor = f"{_ms(page[-1]['created_at'])}-{page[-1]['id']}" if len(batches) > limit and page else None
         return page, next_cursor

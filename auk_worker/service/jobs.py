@@ -347,6 +347,25 @@ return 1
 """
 
 
+def batch_from_hash(raw: dict[str, str]) -> dict[str, Any]:
+    """A batch's record from its Redis hash: counts per status, whether every job ended, its result files."""
+    total, terminal = int(raw["total"]), int(raw.get("terminal", 0))
+    return {
+        "id": raw["id"],
+        "owner": raw["owner"],
+        "total": total,
+        "counts": {s.value: int(raw.get(f"n_{s.value}", 0)) for s in JobStatus},
+        "created_at": raw["created_at"],
+        "finished_at": raw.get("finished_at") or None,
+        "done": terminal >= total,
+        "manifest_key": raw.get("manifest_key") or None,
+        "error_key": raw.get("error_key") or None,
+        "error_count": int(raw.get("error_count") or 0),
+        "canceled_at": raw.get("canceled_at") or None,
+        "webhook_url": raw.get("webhook_url") or None,
+    }
+
+
 class JobStore:
     """Job and batch records in Redis. The client must use ``decode_responses=True``.
 
@@ -612,18 +631,7 @@ class JobStore:
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
         raw = self.redis.hgetall(self.batch_key(batch_id))
-        if not raw:
-            return None
-        total, terminal = int(raw["total"]), int(raw.get("terminal", 0))
-        return {
-            "id": raw["id"],
-            "owner": raw["owner"],
-            "total": total,
-            "counts": {s.value: int(raw.get(f"n_{s.value}", 0)) for s in JobStatus},
-            "created_at": raw["created_at"],
-            "done": terminal >= total,
-            "manifest_key": raw.get("manifest_key") or None,
-        }
+        return batch_from_hash(raw) if raw else None
 
     def batch_records(self, batch_id: str) -> builtins.list[JobRecord]:
         """The batch's jobs in submission order."""
