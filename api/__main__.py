@@ -8,8 +8,8 @@ import sys
 import uvicorn
 
 from auk_worker.errors import ConfigError
-from auk_worker.service.logs import configure_logging
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.logs import configure_logging
+from auk_worker.service.connect.settings import Settings
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 

@@ -28,11 +28,11 @@ from api.openapi import install_openapi, operation_id
 from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
                         voices, webhooks)
 from auk_worker.errors import InfraError
-from auk_worker.service.fairshare import Feeder
-from auk_worker.service.quotas import RateLimiter, async_redis_client
-from auk_worker.service import retention
-from auk_worker.service.metrics import ApiMetrics, RequestMetricsMiddleware
-from auk_worker.service.settings import Settings
+from auk_worker.service.queues.fairshare import Feeder
+from api.quotas import RateLimiter, async_redis_client
+from auk_worker.service.ops import retention
+from api.metrics import ApiMetrics, RequestMetricsMiddleware
+from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
 

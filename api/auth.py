@@ -12,7 +12,7 @@ from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from auk_worker.errors import Unauthorized
-from auk_worker.service.jobs import owner_id
+from auk_worker.service.records.jobs import owner_id
 
 
 class KeyRing:

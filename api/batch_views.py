@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.deps import Services
-from auk_worker.service.batches import public_batch
+from auk_worker.service.records.batches import public_batch
 
 
 def batch_record(svc: Services, batch: dict[str, Any]) -> dict[str, Any]:

@@ -13,18 +13,18 @@ import redis
 from celery import Celery
 from fastapi import Request
 
-from auk_worker.service.batches import BatchBook
-from auk_worker.service.celery_app import make_celery
-from auk_worker.service.fairshare import FairShare
-from auk_worker.service.jobs import JobStore
-from auk_worker.service.notify import Notifier, NotifyingJobStore
-from auk_worker.service.redis_client import ReplicationBarrier, redis_client
-from auk_worker.service.replies import ReplyWaiter
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage
-from auk_worker.service.uploads import UploadStore
-from auk_worker.service.voices import VoiceStore
-from auk_worker.service.webhooks import RetryPolicy, WebhookDispatcher, WebhookSecrets, WebhookStore
+from auk_worker.service.records.batches import BatchBook
+from auk_worker.service.queues.celery_app import make_celery
+from auk_worker.service.queues.fairshare import FairShare
+from auk_worker.service.records.jobs import JobStore
+from auk_worker.service.delivery.notify import Notifier, NotifyingJobStore
+from auk_worker.service.connect.redis import ReplicationBarrier, redis_client
+from auk_worker.service.delivery.replies import ReplyWaiter
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.records.uploads import UploadStore
+from auk_worker.service.records.voices import VoiceStore
+from auk_worker.service.delivery.webhooks import RetryPolicy, WebhookDispatcher, WebhookSecrets, WebhookStore
 from auk_worker.urlguard import UrlGuard, UrlPolicy
 
 REDIS_TIMEOUT_S = 5.0
@@ -89,7 +89,7 @@ def services(request: Request) -> Services:
 
 def start_dispatcher(svc: Services) -> WebhookDispatcher | None:
     """The webhook dispatcher's threads inside the API process (``AUK_WEBHOOK_THREADS``, 0 for none: then run
-    ``python -m auk_worker.service.webhooks`` beside it)."""
+    ``python -m auk_worker.service.delivery.webhooks`` beside it)."""
     settings = svc.settings
     if settings.webhook_threads == 0:
         return None

@@ -34,8 +34,8 @@ from auk_worker.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from auk_worker.service.batches import batch_state  # noqa: F401 - a batch's status, kept with its store
-from auk_worker.service.jobs import TERMINAL, JobStatus
+from auk_worker.service.records.batches import batch_state  # noqa: F401 - a batch's status, kept with its store
+from auk_worker.service.records.jobs import TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ In order, for each request:
 2. The key's share of this process: at most ``AUK_QUOTA_IN_FLIGHT`` of its requests run at once, up to
    ``AUK_QUOTA_IN_FLIGHT_QUEUE`` more wait their turn (parked, unread, costing nothing), and beyond that it is
    429. So a key that sends sixty requests at once holds a few of the process's threads, not all of them, and
-   another key's request starts at once. Then its request rate (``auk_worker/service/quotas.py``): 429 with
+   another key's request starts at once. Then its request rate (``api/quotas.py``): 429 with
    ``Retry-After`` when spent.
 3. A declared ``Content-Length`` over the route's limit is 413 at once.
 4. Whatever the headers say (chunked, or a wrong length), ``receive`` counts the body's bytes and cuts it at the
@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.auth import KeyRing
 from api.errors import BodyRefused, error_response, too_large
 from auk_worker.errors import AuKError, RequestTimeout, TooManyRequests, Unauthorized
-from auk_worker.service.quotas import RateLimiter
+from api.quotas import RateLimiter
 
 log = logging.getLogger(__name__)
 

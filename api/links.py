@@ -15,7 +15,7 @@ import hmac
 import time
 
 from auk_worker.errors import Unauthorized
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.settings import Settings
 
 MAX_LINK_SECONDS = 7 * 24 * 3600
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from auk_worker.service.jobs import JobStatus
+from auk_worker.service.records.jobs import JobStatus
 
 _OPEN = ConfigDict(extra="allow")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from auk_worker.service.jobs import JobRecord, JobStatus
+from auk_worker.service.records.jobs import JobRecord, JobStatus
 
 # Rows with these statuses come first, in this order, when failed lines are asked first.
 FAILED_ORDER = {JobStatus.FAILED.value: 0, JobStatus.CANCELED.value: 1}

@@ -41,8 +41,8 @@ from api.submit import ClipResolver
 from auk_worker import formats, rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, TooLarge
-from auk_worker.service.schema import AudioRef, JobRequest
-from auk_worker.service.storage import clip_key
+from auk_worker.service.records.requests import AudioRef, JobRequest
+from auk_worker.service.connect.storage import clip_key
 from auk_worker.types import SAMPLE_RATE
 from auk_worker.urlguard import UrlGuard, UrlPolicy, pinned_request
 

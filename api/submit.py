@@ -5,8 +5,8 @@ the clip is resolved (an upload of this key, or an object in the operator's inpu
 applied in latent frames to the clip's exact sample count and rate (``rules.target_frames``, the worker's own
 call). Then the record is written, and only then is the task sent by name: ``auk.render`` to
 ``auk.{variant}.{priority}``, or for a batch ``auk.render_group`` tasks of compatible jobs
-(``auk_worker/service/grouping.py``), staged per key and released to the variant's bulk queue round-robin across
-keys (``auk_worker/service/fairshare.py``).
+(``auk_worker/service/queues/grouping.py``), staged per key and released to the variant's bulk queue round-robin across
+keys (``auk_worker/service/queues/fairshare.py``).
 
 Before any of that, ``require_worker_for`` asks the workers' heartbeats whether some live worker serves the job's
 variant, so that a job no worker would ever take is refused at once (503 ``no_worker_for_variant``, naming the
@@ -36,13 +36,13 @@ from api.deps import Services
 from auk_worker import rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InfraError, InputError, NoWorker
-from auk_worker.service.celery_app import RENDER_TASK, queue_name
-from auk_worker.service.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
-from auk_worker.service.health import live_variants, read_heartbeats
-from auk_worker.service.jobs import JobRecord
-from auk_worker.service.quotas import check_queued_jobs
-from auk_worker.service.schema import JobRequest
-from auk_worker.service.storage import error_code, input_object
+from auk_worker.service.queues.celery_app import RENDER_TASK, queue_name
+from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
+from auk_worker.service.records.workers import live_variants, read_heartbeats
+from auk_worker.service.records.jobs import JobRecord
+from api.quotas import check_queued_jobs
+from auk_worker.service.records.requests import JobRequest
+from auk_worker.service.connect.storage import error_code, input_object
 
 log = logging.getLogger(__name__)
 

@@ -94,7 +94,7 @@ def _checkpoint(workdir: Path) -> tuple[Path | None, str, bool]:
 
         release = read_release(configured)
         return Path(configured).resolve(), release.variant, False
-    from auk_dev.tiny import make_tiny_checkpoint
+    from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
     out = make_tiny_checkpoint(workdir / "tiny-checkpoint", variant="base")
     return Path(out).resolve(), "base", True

@@ -12,7 +12,7 @@ Used by ``python -m auk_dev.demo`` (``make run``), the service tests and the que
   off, JWTs on the volume server, mutual TLS on gRPC), so nothing else takes unsigned reads or writes; the
   credentials are random unless given. It can be stopped and started again on the same data, ports and keys
   (storage outage tests).
-- ``WorkerProcess``: ``python -m auk_worker.service.worker`` as a real subprocess with its own environment;
+- ``WorkerProcess``: ``python -m auk_worker.service.worker.main`` as a real subprocess with its own environment;
   waits for its heartbeat, and can be sent SIGKILL or SIGTERM by PID.
 - ``ApiProcess``: ``python -m api`` (uvicorn) on a loopback port; waits for ``/healthz``.
 - ``connection_env``: the ``AUK_*`` environment that points a worker or the API at a ``RedisServer`` and an
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import redis
 
-from auk_worker.service.seaweed_security import WEED_FLAGS, write_security
+from auk_worker.service.ops.seaweed_security import WEED_FLAGS, write_security
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         identity = [] if self.id_from_env else ["--worker-id", self.hostname]
-        cmd = [sys.executable, "-m", "auk_worker.service.worker", *identity, "--loglevel", "INFO", *self.extra_args]
+        cmd = [sys.executable, "-m", "auk_worker.service.worker.main", *identity, "--loglevel", "INFO", *self.extra_args]
         self.proc = _spawn(cmd, self.log, env=_python_env(self.env), cwd=self.cwd)
         return self
 

@@ -23,7 +23,7 @@ import yaml
 from safetensors import safe_open
 
 from auk_worker.errors import CheckpointError
-from auk_worker.model.dit import DiTConfig
+from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.vae import VAEConfig
 
 log = logging.getLogger(__name__)
@@ -204,3 +204,14 @@ def download_release(dest: str | Path, variant: Variant = "base", revision: str 
     snapshot_download(QWEN_REPO, local_dir=qwen_dir, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
     return release_dir
 
+
+def load_dit(release: Release, device: torch.device, dtype: torch.dtype) -> tuple[AuKDiT, dict[str, torch.Tensor]]:
+    """The release's DiT on ``device`` in ``dtype`` (eval, no grad), and the thinker's layer-fusion weights that
+    share its file."""
+    state, fusion = split_dit_weights(read_safetensors(release.weights_path, device), str(release.weights_path))
+    with torch.device("meta"):
+        dit = AuKDiT(release.dit)
+    # Weights take the serving dtype one tensor at a time; the rotary frequencies always stay fp32.
+    state = {k: v.float() if k == "rotary_embed.inv_freq" else v.to(dtype) for k, v in state.items()}
+    load_strict(dit, state, str(release.weights_path), prefix="transformer.")
+    return dit.eval().requires_grad_(False), fusion

@@ -26,15 +26,15 @@ BATCH_COMMANDS = ("page", "cancel")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
-        from auk_worker.service.worker import main_worker
+        from auk_worker.service.worker.main import main_worker
 
         return main_worker(argv[1:])
     if argv and argv[0] in BATCH_COMMANDS:
-        from auk_worker.client_batches import main_batches
+        from auk_client.cli_batches import main_batches
 
         return main_batches(argv[0], argv[1:])
     if argv and argv[0] in CLIENT_COMMANDS:
-        from auk_worker.client import main_client
+        from auk_client.cli import main_client
 
         return main_client(argv[0], argv[1:])
     args = _parser().parse_args(argv)
@@ -132,7 +132,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from auk_dev.tiny import make_tiny_checkpoint
+    from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
     out = make_tiny_checkpoint(args.out, variant=args.variant, seed=args.seed)
     print(f"{out}: tiny {args.variant} checkpoint (random weights: its audio is noise)")

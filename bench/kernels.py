@@ -27,7 +27,7 @@ from auk_worker.model.fp8 import Fp8Linear, use_fp8_block_linears
 from auk_worker.model.sampling import guided_velocity
 from auk_worker.model.thinker import PromptProcessor, ThinkerEncoder, ThinkerTrunk
 from auk_worker.model.thinker.audio_tower import AudioTowerRunner
-from auk_dev.tiny_qwen import write_tiny_qwen
+from auk_worker.tiny.qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
 from auk_worker.pipeline import FastPaths
 from auk_worker.pipeline.graphs import DecodeGraphs, EncodeGraphs

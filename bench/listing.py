@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from auk_worker.service.jobs import JobRecord, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStore
 from auk_dev.local import ApiProcess, RedisServer, free_port
 from bench.common import RESULTS, commit
 
@@ -170,7 +170,7 @@ def main() -> int:
         api = None
         try:
             store = JobStore(server.client())
-            from auk_worker.service.jobs import owner_id
+            from auk_worker.service.records.jobs import owner_id
 
             started = time.perf_counter()
             statuses = fill(store, owner_id(KEY_A), args.jobs)

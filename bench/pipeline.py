@@ -176,7 +176,7 @@ DISABLED_BY = {"masked_attention": ("varlen_attention",), "flash_attention": ("a
 def run(args: argparse.Namespace) -> dict:
     if args.tiny:
         from auk_worker.pipeline import AuKPipeline
-        from auk_dev.tiny import make_tiny_checkpoint
+        from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="auk-tiny-") as root:  # loading reads everything it needs

@@ -26,9 +26,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.settings import Settings
+from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.connect.settings import Settings
 from auk_dev.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env
 from bench.common import commit
 

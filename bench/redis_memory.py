@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from auk_worker.service.jobs import JobRecord, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStore
 from auk_dev.local import RedisServer
-from auk_worker.service.retention import Sweeper
-from auk_worker.service.settings import Settings
+from auk_worker.service.ops.retention import Sweeper
+from auk_worker.service.connect.settings import Settings
 
 OWNER = "0123456789abcdef"
 HASH = "9f2c" * 16  # a sha256 in hex, as model_hashes hold them

@@ -39,10 +39,10 @@ from pathlib import Path
 import httpx
 import redis
 
-from auk_worker.service.jobs import JobStatus, JobStore
+from auk_worker.service.records.jobs import JobStatus, JobStore
 from auk_dev.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage
 from bench.common import commit
 
 log = logging.getLogger("bench.soak")

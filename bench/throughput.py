@@ -39,7 +39,7 @@ import httpx
 import yaml
 
 from auk_worker.deploy import DiTDtype, load_deploy_config
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
 from auk_dev.local import (
     REPO,
     ApiProcess,
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
         warmup = deploy.dit.max_num_seqs if args.warmup is None else args.warmup
         checkpoint = None
         if args.pipeline == "tiny":
-            from auk_dev.tiny import make_tiny_checkpoint
+            from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
             checkpoint = Path(make_tiny_checkpoint(work / "auk-tiny-base", "base"))
         service = ServiceUnderTest(work, args.pipeline, deploy_config, checkpoint)

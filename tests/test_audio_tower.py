@@ -14,7 +14,7 @@ from auk_worker.model.thinker.audio_tower import AudioTowerRunner, ChunkPlan
 from auk_worker.model.thinker.prompt import audio_token_count
 from auk_worker.model.thinker.trunk import ThinkerTrunk, load_thinker_trunk
 from auk_worker.pipeline.thinker_graphs import AudioTowerGraphs
-from auk_dev.tiny_qwen import tiny_config, tiny_vocab, write_tiny_qwen
+from auk_worker.tiny.qwen import tiny_config, tiny_vocab, write_tiny_qwen
 
 # fp32: measured at most 6.3e-7 of the output's largest magnitude (different SDPA kernels, masked vs split).
 FP32_TOLERANCE = 1e-5

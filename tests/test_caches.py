@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from auk_worker.service.caches import CACHE_VARIABLES, use_compile_caches
-from auk_worker.service.settings import Settings
+from auk_worker.service.worker.caches import CACHE_VARIABLES, use_compile_caches
+from auk_worker.service.connect.settings import Settings
 
 
 def test_the_caches_go_under_the_directory_and_operator_settings_win(tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_the_caches_go_under_the_directory_and_operator_settings_win(tmp_path: P
 def test_torch_reads_the_directory_it_was_given(tmp_path: Path) -> None:
     """In a fresh process, set before torch is imported, Inductor's cache directory is the one chosen."""
     code = (
-        "import sys; from pathlib import Path; from auk_worker.service.caches import use_compile_caches\n"
+        "import sys; from pathlib import Path; from auk_worker.service.worker.caches import use_compile_caches\n"
         "use_compile_caches(Path(sys.argv[1]))\n"
         "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
         "print(cache_dir())\n"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from auk_worker.deploy import load_deploy_config
 from auk_worker.errors import Canceled, ConfigError
 from auk_worker.pipeline import AuKPipeline
-from auk_dev.tiny import make_tiny_checkpoint
+from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 from auk_worker.types import AudioClip, RenderRequest
 
 INSTRUCT = 'Generate speech based on the following description: "Calm." The content to speak is: "Hi."'

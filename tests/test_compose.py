@@ -62,7 +62,7 @@ def test_compose_structure() -> None:
     # or two restarts would share; the health check reads the worker's own heartbeat.
     assert "--hostname" not in worker["command"] and "--worker-id" not in worker["command"] and "hostname" not in worker
     assert worker["environment"]["AUK_WORKER_ID"] == "${AUK_WORKER_ID_GPU0:-}"
-    assert worker["healthcheck"]["test"] == ["CMD", "python", "-m", "auk_worker.service.probe"]
+    assert worker["healthcheck"]["test"] == ["CMD", "python", "-m", "auk_worker.service.ops.probe"]
     assert worker["depends_on"] == {"redis": {"condition": "service_healthy"},
                                     "seaweedfs": {"condition": "service_healthy"}}  # fmt: skip
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
@@ -74,11 +74,11 @@ def test_compose_structure() -> None:
     assert all(flag in seaweedfs["command"][0] for flag in ("-disableHttp", "-ip.bind=127.0.0.1", "-s3.ip.bind=0.0.0.0"))
     assert "seaweedfs-security:/etc/seaweedfs:ro" in seaweedfs["volumes"]
     assert seaweedfs["depends_on"] == {"seaweedfs-security": {"condition": "service_completed_successfully"}}
-    assert services["seaweedfs-security"]["command"][-2:] == ["auk_worker.service.seaweed_security", "/etc/seaweedfs"]
+    assert services["seaweedfs-security"]["command"][-2:] == ["auk_worker.service.ops.seaweed_security", "/etc/seaweedfs"]
     assert [port.split(":")[0] for port in seaweedfs["ports"]] == ["127.0.0.1"]
     # Flower: the Celery app's own module, loopback only, basic auth from .env.
     flower = services["flower"]
-    assert flower["command"][:4] == ["celery", "-A", "auk_worker.service.celery_app", "flower"]
+    assert flower["command"][:4] == ["celery", "-A", "auk_worker.service.queues.celery_app", "flower"]
     assert flower["ports"] == ["127.0.0.1:${AUK_FLOWER_PORT:-5555}:5555"]
     assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${AUK_FLOWER_BASIC_AUTH:?")
     # No secret has a default: each is written ${VAR:?message}.

@@ -17,7 +17,7 @@ from auk_worker.errors import AudioError, CheckpointError, InputError, ModelErro
 from auk_worker.model.thinker import PromptProcessor, ThinkerEncoder
 from auk_worker.model.thinker.prompt import NO_PROMPT_AUDIO, SYSTEM_PROMPT, render_prompt
 from auk_worker.model.thinker.trunk import fuse_hidden_states, fuse_linears, thinker_layer, written_out_supported
-from auk_dev.tiny_qwen import write_tiny_qwen
+from auk_worker.tiny.qwen import write_tiny_qwen
 
 INSTRUCTION = "Make the voice sound like it is in a large hall."
 TINY_LAYERS = 4

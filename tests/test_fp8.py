@@ -14,7 +14,7 @@ from auk_worker.deploy import load_deploy_config
 from auk_worker.model.dit import AuKDiT, DiTConfig
 from auk_worker.model.fp8 import E4M3, Fp8Linear, block_linears, fp8_supported, use_fp8_block_linears
 from auk_worker.pipeline import AuKPipeline, resolve_precision
-from auk_dev.tiny import make_tiny_checkpoint
+from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 from auk_worker.types import SAMPLE_RATE, RenderRequest
 
 TINY = DiTConfig(

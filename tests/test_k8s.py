@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 from auk_worker.deploy import load_deploy_config
-from auk_worker.service import settings as settings_module
-from auk_worker.service.celery_app import queue_name
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect import settings as settings_module
+from auk_worker.service.queues.celery_app import queue_name
+from auk_worker.service.connect.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -44,7 +44,7 @@ READ_OUTSIDE_SETTINGS = {
     "AUK_API_HOST": "api/__main__.py",
     "AUK_API_PORT": "api/__main__.py",
     "AUK_LOG_LEVEL": "api/__main__.py",
-    "AUK_WORKER_ID": "auk_worker/service/probe.py",
+    "AUK_WORKER_ID": "auk_worker/service/ops/probe.py",
 }
 APP_DIR = PurePosixPath("/app")  # the image's WORKDIR: /app/config/*.yaml is the repository's config/
 
@@ -315,7 +315,7 @@ def test_warm_shutdown_grace_outlasts_the_longest_job(rendered, target: str) -> 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_worker_probes_read_this_pods_heartbeat(rendered, target: str) -> None:
-    probe = ["python", "-m", "auk_worker.service.probe"]
+    probe = ["python", "-m", "auk_worker.service.ops.probe"]
     for deployment, container in containers(rendered[target], "worker"):
         worker_id = env_of(container)["AUK_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
         assert worker_id == "metadata.name"

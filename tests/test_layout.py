@@ -1,8 +1,15 @@
-"""The layout's rules, read from the source: no import cycle among the modules of auk_worker, auk_client,
-auk_dev, api and bench (deferred imports inside functions count; ``if TYPE_CHECKING:`` imports do not, they never
-run); no file of theirs over 400 lines unless its docstring says why, on a line starting "Longer than 400 lines:";
-and the engine, the service and the API never reach into the dev tooling (auk_dev) but for the CLI's
-``make-tiny-checkpoint``."""
+"""The layout's rules, read from the source.
+
+- No import cycle among the modules of auk_worker, auk_client, auk_dev, api and bench; every import counts:
+  deferred ones inside functions and ``if TYPE_CHECKING:`` ones too (a cycle for the type checker is a cycle for
+  the reader).
+- No file of theirs over 400 lines.
+- The product (auk_worker, auk_client, api) never reaches the dev tooling (auk_dev) or the benchmarks (bench),
+  however many imports away.
+- The rooms of the service (``auk_worker/service/``): the API never reaches the worker process's code
+  (``service.worker``); the records never reach the queues, delivery or the worker; the connections reach no other
+  room.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +19,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("auk_worker", "auk_client", "auk_dev", "api", "bench")
 PRODUCT = ("auk_worker", "auk_client", "api")
-MAY_USE_DEV_TOOLING = {"auk_worker.cli"}  # `auk make-tiny-checkpoint`
+NOT_FOR_THE_PRODUCT = ("auk_dev", "bench")
 MAX_LINES = 400
-REASON = "Longer than 400 lines:"
+SERVICE = "auk_worker.service"
+# room -> the rooms (or packages) it must never reach, directly or through others
+NEVER_REACHES = {
+    "api": (f"{SERVICE}.worker",),
+    f"{SERVICE}.records": (f"{SERVICE}.queues", f"{SERVICE}.delivery", f"{SERVICE}.worker", f"{SERVICE}.ops", "api"),
+    f"{SERVICE}.connect": (f"{SERVICE}.records", f"{SERVICE}.queues", f"{SERVICE}.delivery", f"{SERVICE}.worker",
+                           f"{SERVICE}.ops", "api"),
+    f"{SERVICE}.queues": (f"{SERVICE}.delivery", f"{SERVICE}.worker", f"{SERVICE}.ops", "api"),
+    f"{SERVICE}.delivery": (f"{SERVICE}.worker", f"{SERVICE}.ops", "api"),
+    f"{SERVICE}.worker": ("api", f"{SERVICE}.ops"),
+}
 
 
 def modules() -> dict[str, Path]:
@@ -27,25 +44,9 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: at module level or inside functions, not under ``if TYPE_CHECKING:``."""
-    found, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If) and _type_checking_only(node):
-            stack.extend(node.orelse)
-        else:
-            stack.extend(ast.iter_child_nodes(node))
-    return found
+    """Every import statement: at module level, inside functions and under ``if TYPE_CHECKING:``."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -128,23 +129,64 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(component) for component in found)
 
 
-def test_long_files_say_why():
-    unexplained = []
+def reach(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module ``start`` reaches through imports -> the module that imports it (to print the way)."""
+    seen: dict[str, str] = {}
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        for child in graph.get(node, ()):
+            if child not in seen and child != start:
+                seen[child] = node
+                stack.append(child)
+    return seen
+
+
+def _way(seen: dict[str, str], start: str, target: str) -> str:
+    path = [target]
+    while path[-1] != start:
+        path.append(seen[path[-1]])
+    return " -> ".join(reversed(path))
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_file_over_400_lines():
+    long = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
-            text = path.read_text()
-            lines = text.count("\n")
-            docstring = ast.get_docstring(ast.parse(text)) or ""
-            if lines > MAX_LINES and not any(line.startswith(REASON) for line in docstring.splitlines()):
-                unexplained.append(f"{path.relative_to(ROOT)}: {lines} lines")
-    assert not unexplained, f"over {MAX_LINES} lines without a '{REASON}' line in the docstring:\n" + "\n".join(
-        unexplained
-    )
+            lines = path.read_text().count("\n")
+            if lines > MAX_LINES:
+                long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)
 
 
-def test_the_product_does_not_import_the_dev_tooling():
+def test_the_product_never_reaches_the_dev_tooling_or_the_benchmarks():
     graph = import_graph()
-    offenders = sorted(f"{module} imports {target}" for module, targets in graph.items()
-                       if module.split(".")[0] in PRODUCT and module not in MAY_USE_DEV_TOOLING
-                       for target in targets if target.split(".")[0] == "auk_dev")  # fmt: skip
-    assert not offenders, "\n".join(offenders)
+    offenders = []
+    for module in sorted(graph):
+        if module.split(".")[0] not in PRODUCT:
+            continue
+        seen = reach(graph, module)
+        offenders += [_way(seen, module, target) for target in sorted(seen)
+                      if target.split(".")[0] in NOT_FOR_THE_PRODUCT and seen[target].split(".")[0] in PRODUCT]
+    assert not offenders, "\n".join(sorted(set(offenders)))
+
+
+def test_the_rooms_keep_to_their_side():
+    graph = import_graph()
+    offenders = []
+    for room, forbidden in NEVER_REACHES.items():
+        for module in sorted(m for m in graph if _inside(m, room)):
+            seen = reach(graph, module)
+            offenders += [_way(seen, module, target) for target in sorted(seen)
+                          if any(_inside(target, f) for f in forbidden)]
+    assert not offenders, "\n".join(offenders[:40])
+
+
+def test_the_service_lives_in_rooms():
+    """No module directly under auk_worker/service/: every one belongs to a room."""
+    loose = sorted(p.name for p in (ROOT / "auk_worker" / "service").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules outside the rooms of auk_worker/service/: {loose}"

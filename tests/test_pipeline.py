@@ -22,7 +22,7 @@ from auk_worker.errors import AudioError, CheckpointError, InputError, ModelErro
 from auk_worker.model.dit.layers import _grouped_conv_as_bmm
 from auk_worker.model.sampling import FLASH_T_GRID
 from auk_worker.pipeline import AuKPipeline
-from auk_dev.tiny import make_tiny_checkpoint
+from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 from auk_worker.types import SAMPLE_RATE, AudioClip, RenderRequest
 
 INSTRUCT = 'Generate speech based on the following description: "Calm." The content to speak is: "Hi."'
@@ -297,7 +297,7 @@ def test_render_command_refuses_a_directory_that_is_no_checkpoint(tmp_path):
 def test_the_api_and_the_engine_apply_one_length_rule(clip_seconds, gen_seconds):
     """Near 30 s the API must refuse exactly what the worker would refuse (frames, not seconds)."""
     from api.submit import record_request
-    from auk_worker.service.schema import AudioRef, JobRequest
+    from auk_worker.service.records.requests import AudioRef, JobRequest
 
     gen_seconds = gen_seconds + (20.0 if clip_seconds == 0.0 else 0.0)
     audio = AudioRef(key="clip.wav") if clip_seconds else None
@@ -325,7 +325,7 @@ def test_the_api_and_the_engine_apply_one_length_rule(clip_seconds, gen_seconds)
 def test_the_instant_pipeline_reports_what_the_real_one_would(pipes, variant, knobs):
     """The model-free pipeline resolves a request as the real one does, from the same deploy config: an explicit
     guidance of 0.0 stays 0.0, unset knobs take the config's defaults, Flash pins its recipe."""
-    from auk_worker.service.instant import InstantPipeline
+    from auk_worker.service.worker.instant import InstantPipeline
 
     pipe = pipes[variant]
     request = RenderRequest(INSTRUCT, gen_seconds=0.3, **knobs)

@@ -16,7 +16,7 @@ from auk_worker import rules
 from auk_worker.audio import CheckedClip, checked_clip, decode_audio, resample, validate_clip
 from auk_worker.deploy import DiTSampling
 from auk_worker.errors import AudioError, InputError
-from auk_worker.service.schema import JobRequest
+from auk_worker.service.records.requests import JobRequest
 from auk_worker.types import AudioClip
 
 DEFAULTS = DiTSampling(seed=7, num_inference_steps=32, guidance_scale=2.0)

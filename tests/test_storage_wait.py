@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from auk_worker.errors import Canceled, ConfigError, InfraError, InputError, StorageUnavailable
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import StorageWait
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import StorageWait
 
 
 class Clock:

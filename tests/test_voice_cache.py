@@ -43,7 +43,7 @@ def test_size_of_counts_tensors_and_dataclasses() -> None:
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
     from auk_worker.pipeline import AuKPipeline
-    from auk_dev.tiny import make_tiny_checkpoint
+    from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "base", variant="base")
     return AuKPipeline.load(path, device="cpu")

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 import pytest
 
 from auk_worker.errors import InputError
-from auk_worker.service.webhooks import (
+from auk_worker.service.delivery.webhooks import (
     EVENT_TYPES,
     RetryPolicy,
     WebhookVerificationError,

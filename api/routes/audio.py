@@ -20,7 +20,7 @@ from api.deps import Services, services
 from api.openapi import AUDIO_CONTENT, V1_ERRORS, documented
 from api.routes.jobs import owned_job
 from auk_worker.errors import Conflict, NotFound
-from auk_worker.service.jobs import JobStatus
+from auk_worker.service.records.jobs import JobStatus
 
 log = logging.getLogger(__name__)
 

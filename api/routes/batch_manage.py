@@ -21,7 +21,7 @@ from api.links import MAX_LINK_SECONDS, LinkSigner
 from api.models import BatchCanceled, BatchLink, BatchPage
 from api.openapi import V1_ERRORS, documented
 from auk_worker.errors import Conflict, InputError, NotFound
-from auk_worker.service.batches import write_results
+from auk_worker.service.records.batches import write_results
 
 log = logging.getLogger(__name__)
 

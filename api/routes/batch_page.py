@@ -21,7 +21,7 @@ from api.links import LinkSigner
 from api.openapi import AUDIO_CONTENT, documented
 from api.pages import render_page
 from auk_worker.errors import InfraError, NotFound
-from auk_worker.service.jobs import JobRecord, JobStatus
+from auk_worker.service.records.jobs import JobRecord, JobStatus
 
 router = APIRouter(tags=["batch page"])
 

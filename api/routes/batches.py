@@ -5,7 +5,7 @@ clip and the length rule in ``api/submit.py``, the path every job takes. If any 
 ``{"line", "message"}`` for each bad line and nothing is written or enqueued. Otherwise all records and the batch
 are written in one transaction, then the jobs go to their variant's bulk queue: as ``auk.render_group`` tasks of
 compatible jobs (same schedule, similar lengths, at most the deploy config's stage 1 ``max_num_seqs`` each;
-``auk_worker/service/grouping.py``) that a worker renders in shared DiT passes, or one ``auk.render`` task a job
+``auk_worker/service/queues/grouping.py``) that a worker renders in shared DiT passes, or one ``auk.render`` task a job
 when ``max_num_seqs`` is 1. When the batch's last job finishes, the worker writes a JSONL manifest next to the
 WAVs, with an error file of the lines that did not succeed; ``GET /v1/batches/{id}`` links both. Listing,
 cancelling and the listening page are in ``batch_manage.py`` and ``batch_page.py``.
@@ -29,7 +29,7 @@ from api.models import BatchCreated, BatchOut
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_batch
 from auk_worker.errors import InputError, MalformedBody, NotFound, UnsupportedMediaType
-from auk_worker.service.schema import JobRequest
+from auk_worker.service.records.requests import JobRequest
 
 log = logging.getLogger(__name__)
 

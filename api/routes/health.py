@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from api.deps import Services, services
 from api.models import Alive, Readiness
 from api.openapi import documented
-from auk_worker.service.health import SERVING_STATES, public_view, read_heartbeats
+from auk_worker.service.records.workers import SERVING_STATES, public_view, read_heartbeats
 
 log = logging.getLogger(__name__)
 

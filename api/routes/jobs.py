@@ -19,8 +19,8 @@ from api.models import JobOut, JobPage
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_job
 from auk_worker.errors import Conflict, InputError, NotFound
-from auk_worker.service.jobs import JobRecord, JobStatus
-from auk_worker.service.schema import JobRequest
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.requests import JobRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the API's Prometheus exposition (``auk_worker/service/metrics.py`` lists the names)."""
+"""``GET /metrics``: the API's Prometheus exposition (``auk_worker/service/worker/metrics.py`` lists the names)."""
 
 from __future__ import annotations
 

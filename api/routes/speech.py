@@ -2,7 +2,7 @@
 
 The request is a job like any other: checked by the same rules, written as a record under the caller's key, sent
 to the variant's interactive queue. What differs is the answer: the worker pushes the encoded audio through Redis
-as soon as it exists (``auk_worker/service/replies.py``) and the route, waiting on that with ``BLPOP``, answers
+as soon as it exists (``auk_worker/service/delivery/replies.py``) and the route, waiting on that with ``BLPOP``, answers
 with it at once; the worker stores the object and records the success afterwards, off the answer's path. The job
 id comes back in ``X-Job-Id`` (``GET /v1/jobs/{id}`` shows the stored result once recorded), and the split of the
 time in ``Server-Timing``: ``submit`` (checks and the clip, up to the record), ``queue`` (record written and task
@@ -31,8 +31,8 @@ from api.speech import SpeechRequest, resolve_clip, to_job
 from api.submit import enqueue_interactive
 from auk_worker import formats
 from auk_worker.errors import InputError
-from auk_worker.service.jobs import JobStatus
-from auk_worker.service.replies import WAIT_SLICE_S, Reply
+from auk_worker.service.records.jobs import JobStatus
+from auk_worker.service.delivery.replies import WAIT_SLICE_S, Reply
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``POST /v1/uploads``: validate and store one audio clip for later jobs.
 
 The clip is decoded with the same code the worker uses (so a clip that uploads is a clip that renders), the
-original bytes go to ``uploads/<id>`` in the result bucket, and the upload store (``auk_worker/service/uploads.py``)
+original bytes go to ``uploads/<id>`` in the result bucket, and the upload store (``auk_worker/service/records/uploads.py``)
 records its owner and what was decoded, its exact sample count included. Jobs refer to it as
 ``{"audio": {"upload_id": ...}}``.
 """
@@ -22,8 +22,8 @@ from api.errors import too_large
 from api.models import UploadOut
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented
 from auk_worker.audio import decode_audio
-from auk_worker.service.storage import upload_key
-from auk_worker.service.uploads import Upload
+from auk_worker.service.connect.storage import upload_key
+from auk_worker.service.records.uploads import Upload
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.routes.uploads import _channels
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, NotFound, UnsupportedMediaType
-from auk_worker.service.jobs import utc_now
-from auk_worker.service.storage import voice_key
-from auk_worker.service.voices import Voice, new_voice_id
+from auk_worker.service.records.jobs import utc_now
+from auk_worker.service.connect.storage import voice_key
+from auk_worker.service.records.voices import Voice, new_voice_id
 
 log = logging.getLogger(__name__)
 

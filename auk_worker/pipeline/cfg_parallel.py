@@ -37,7 +37,7 @@ from torch import Tensor
 from auk_worker.checkpoint import read_release
 from auk_worker.deploy import DeployConfig
 from auk_worker.model.dit import AuKDiT
-from auk_worker.model.dit.load import load_dit
+from auk_worker.checkpoint import load_dit
 from auk_worker.model.sampling import StepCallback, cfg_combine, euler_sample
 from auk_worker.pipeline.fastpaths import FastPaths, Precision, precision_dtype
 from auk_worker.pipeline.wiring import wire_dit

@@ -31,7 +31,7 @@ from auk_worker.checkpoint import Release, file_digest, read_release, read_safet
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, ConfigError, InputError, ModelError
 from auk_worker.model.dit import AuKDiT
-from auk_worker.model.dit.load import load_dit
+from auk_worker.checkpoint import load_dit
 from auk_worker.model.sampling import FLASH_T_GRID, initial_noise, make_generator, time_grid
 from auk_worker.model.streams import beside
 from auk_worker.model.thinker import ThinkerEncoder

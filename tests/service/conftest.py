@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from auk_worker.service.jobs import JobStore
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage
+from auk_worker.service.records.jobs import JobStore
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage
 from tests.service.harness import RedisServer, S3Server, WorkerProcess, connection_env
 
 BUCKET = "auk-test"
@@ -101,7 +101,7 @@ def start_worker(service_env: dict[str, str], tmp_path: Path) -> Iterator[Callab
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from auk_dev.tiny import make_tiny_checkpoint
+    from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("tiny") / "auk-tiny-base"
     return Path(make_tiny_checkpoint(out, "base"))

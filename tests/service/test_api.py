@@ -22,7 +22,7 @@ import pytest
 import redis
 import soundfile as sf
 
-from auk_worker.service.jobs import owner_id
+from auk_worker.service.records.jobs import owner_id
 from tests.service.conftest import BUCKET
 from tests.service.harness import (
     REPO,
@@ -141,7 +141,7 @@ def error_of(response: httpx.Response) -> dict:
 
 
 def test_api_does_not_import_torch() -> None:
-    code = ("import sys, api.app, api.routes.jobs, api.routes.batches, api.routes.uploads, auk_worker.client; "
+    code = ("import sys, api.app, api.routes.jobs, api.routes.batches, api.routes.uploads, auk_client.cli; "
             "print('torch' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -188,7 +188,7 @@ def test_dependencies_down_is_503_not_500() -> None:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from auk_worker.service.settings import Settings
+    from auk_worker.service.connect.settings import Settings
 
     dead = f"127.0.0.1:{free_port()}"
     settings = Settings.from_env({"AUK_REDIS_URL": f"redis://{dead}/0", "AUK_S3_ENDPOINT": f"http://{dead}",
@@ -508,7 +508,7 @@ def test_cancel_a_queued_job_is_never_rendered(service: Service) -> None:
 
 
 def test_client_cli_submit_wait_fetch(service: Service, tmp_path: Path, monkeypatch, capsys) -> None:
-    from auk_worker.client import main_client
+    from auk_client.cli import main_client
 
     monkeypatch.setenv("AUK_API_URL", service.url)
     monkeypatch.setenv("AUK_API_KEY", KEY_A)
@@ -555,7 +555,7 @@ def test_a_key_the_storage_refuses_is_the_callers_error(settings) -> None:
     from api.deps import build_services
     from api.submit import ClipResolver
     from auk_worker.errors import InputError
-    from auk_worker.service.schema import AudioRef, JobRequest
+    from auk_worker.service.records.requests import AudioRef, JobRequest
 
     audio = AudioRef.model_construct(upload_id=None, key="clips/../x.wav")
     request = JobRequest.model_construct(instruction="x", audio=audio, gen_seconds=None)
@@ -570,7 +570,7 @@ def test_a_bad_key_named_on_many_batch_lines_is_fetched_once(settings) -> None:
     from api.deps import build_services
     from api.submit import ClipResolver
     from auk_worker.errors import AudioError, InputError
-    from auk_worker.service.schema import AudioRef, JobRequest
+    from auk_worker.service.records.requests import AudioRef, JobRequest
 
     svc = build_services(_with_inputs(settings))
     svc.storage.client.put_object(Bucket=BUCKET, Key=f"{INPUTS}probe/garbage.wav", Body=b"\x07" * 4096)

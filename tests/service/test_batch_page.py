@@ -25,7 +25,7 @@ import soundfile as sf
 
 from api.links import LinkSigner
 from auk_worker.cli import main as auk
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.settings import Settings
 from tests.service.batch_service import KEY_A, KEY_B, KEY_C, BatchService, batch_service
 from tests.service.conftest import BUCKET
 from tests.service.harness import REPO

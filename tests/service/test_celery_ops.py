@@ -10,13 +10,13 @@ import time
 
 import httpx
 
-from auk_worker.service.celery_app import make_celery
-from auk_worker.service.jobs import JobStatus
+from auk_worker.service.queues.celery_app import make_celery
+from auk_worker.service.records.jobs import JobStatus
 from auk_dev.local import _python_env
 from tests.service.harness import REPO, free_port, stop_process, wait_until
 from tests.service.test_worker import submit, wait_terminal
 
-APP = "auk_worker.service.celery_app"
+APP = "auk_worker.service.queues.celery_app"
 
 
 def celery_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -71,7 +71,7 @@ def test_worker_and_api_side_send_task_events(start_worker, store, settings, red
 
 def test_flower_shows_the_worker_behind_basic_auth(start_worker, service_env, store, settings, redis_client,
                                                    tmp_path) -> None:  # fmt: skip
-    """``celery -A auk_worker.service.celery_app flower`` (the compose service's command) with basic auth from the
+    """``celery -A auk_worker.service.queues.celery_app flower`` (the compose service's command) with basic auth from the
     environment: 401 without credentials; with them the worker and its finished task are listed."""
     port = free_port()
     env = {**service_env, "FLOWER_BASIC_AUTH": "ops:flower-test-secret"}

@@ -2,7 +2,7 @@
 session's Redis and SeaweedFS.
 
 Key A sends a 60-line batch, then key B a 6-line one. With first-in-first-out bulk queues B's batch would wait for
-all of A's; with the per-key staging and round-robin feeder (``auk_worker/service/fairshare.py``) B's batch is done
+all of A's; with the per-key staging and round-robin feeder (``auk_worker/service/queues/fairshare.py``) B's batch is done
 while A's is still running, both have progressed, and the Celery bulk queue never holds more than its depth.
 """
 

@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 
 from auk_worker.errors import ConfigError
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.settings import Settings
 from tests.service.conftest import BUCKET
 from tests.service.harness import ApiProcess, free_port
 

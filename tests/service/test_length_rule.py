@@ -22,12 +22,12 @@ from auk_worker.audio import decode_audio, resample
 from auk_worker.deploy import load_deploy_config
 from auk_worker.errors import InputError
 from auk_worker.pipeline import AuKPipeline
-from auk_worker.service.instant import InstantPipeline
-from auk_worker.service.jobs import JobRecord, JobStore, owner_id
-from auk_worker.service.schema import JobRequest
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage
-from auk_worker.service.tasks import RenderRuntime, _prepare
+from auk_worker.service.worker.instant import InstantPipeline
+from auk_worker.service.records.jobs import JobRecord, JobStore, owner_id
+from auk_worker.service.records.requests import JobRequest
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.worker.tasks import RenderRuntime, _prepare
 from auk_worker.types import RenderRequest
 from tests.service.harness import REPO
 

@@ -17,13 +17,14 @@ import redis
 from kombu import Connection, Consumer, Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
-from auk_worker.service.broker import BrokerConnection, ReleasingQoS
-from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
-from auk_worker.service.grouping import RENDER_GROUP_TASK
-from auk_worker.service.health import Heartbeat, public_view
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, result_key
+from auk_worker.service.queues.broker import BrokerConnection, ReleasingQoS
+from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
+from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
+from auk_worker.service.records.workers import public_view
+from auk_worker.service.worker.heartbeat import Heartbeat
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage, result_key
 from tests.service.conftest import BUCKET
 from tests.service.harness import (
     ApiProcess,
@@ -154,7 +155,7 @@ def test_a_wedged_consumer_is_not_ready_within_15_s_then_exits_and_its_restart_c
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
-        "import auk_worker.service.broker as b\n"
+        "import auk_worker.service.queues.broker as b\n"
         "class Wedged(b.ReleasingQoS):\n"
         "    def ack(self, delivery_tag):\n"
         "        super().ack(delivery_tag)\n"

@@ -27,7 +27,7 @@ import soundfile as sf
 
 from api.app import create_app
 from api.routes.batches import BATCH_EXAMPLE
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.settings import Settings
 from tests.service.conftest import BUCKET
 from tests.service.harness import (
     REPO,

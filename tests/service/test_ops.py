@@ -238,13 +238,13 @@ def test_retention_through_the_running_api(ops: Ops) -> None:
 
 
 def _owner(key: str) -> str:
-    from auk_worker.service.jobs import owner_id
+    from auk_worker.service.records.jobs import owner_id
 
     return owner_id(key)
 
 
 def _exists(ops: Ops, key: str) -> bool:
-    from auk_worker.service.settings import Settings
-    from auk_worker.service.storage import Storage
+    from auk_worker.service.connect.settings import Settings
+    from auk_worker.service.connect.storage import Storage
 
     return Storage(Settings.from_env(ops.api.env)).exists(key)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from botocore.config import Config
 
-from auk_worker.service import presign
+from auk_worker.service.connect import presign
 from tests.service.conftest import BUCKET
 
 KEYS = ["jobs/plain.wav", "jobs/with space+plus&amp=eq.wav", "jobs/ünïcode/ok~tilde_(1).wav"]

@@ -1,4 +1,4 @@
-"""The worker probe (``python -m auk_worker.service.probe``): its verdicts on heartbeats, and the real command run
+"""The worker probe (``python -m auk_worker.service.ops.probe``): its verdicts on heartbeats, and the real command run
 as the kubelet runs it, against a real redis-server, on heartbeats written by ``Heartbeat`` and by a real worker."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import time
 import pytest
 import redis
 
-from auk_worker.service.health import Heartbeat, heartbeat_key
-from auk_worker.service.jobs import JobStatus
+from auk_worker.service.records.workers import heartbeat_key
+from auk_worker.service.worker.heartbeat import Heartbeat
+from auk_worker.service.records.jobs import JobStatus
 from auk_dev.local import REPO, free_port
-from auk_worker.service.probe import judge
+from auk_worker.service.ops.probe import judge
 from tests.service.test_worker import submit, wait_for
 
 NOW = 1_000_000.0
@@ -56,7 +57,7 @@ def run_probe(redis_url: str, worker_id: str | None, *args: str) -> subprocess.C
     env["AUK_REDIS_URL"] = redis_url
     if worker_id is not None:
         env["AUK_WORKER_ID"] = worker_id
-    return subprocess.run([sys.executable, "-m", "auk_worker.service.probe", *args], env=env, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "auk_worker.service.ops.probe", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=30)  # fmt: skip
 
 
@@ -115,7 +116,7 @@ def test_probe_without_identity_and_no_heartbeat_of_this_host(redis_server, redi
 
 
 def test_probe_imports_no_torch() -> None:
-    code = "import sys, auk_worker.service.probe; print('torch' in sys.modules)"
+    code = "import sys, auk_worker.service.ops.probe; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.storage import result_key
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.connect.storage import result_key
 from tests.service.harness import ApiProcess, WorkerProcess, free_port
 from tests.service.test_worker import submit, wait_for, wait_terminal, wavs
 
@@ -192,8 +192,8 @@ def test_a_job_that_kills_its_worker_fails_after_max_kills_across_restarts(
 def test_a_job_received_by_a_worker_that_died_before_starting_it_is_sent_again(redis_client, store) -> None:
     """The window the fleet test found: a message received (a group's later members wait for the earlier ones'
     starts) and the worker killed before the start. The record is still queued; its receiver is noted on it."""
-    from auk_worker.service.health import Heartbeat
-    from auk_worker.service.recovery import Reaper, RecoveryStore
+    from auk_worker.service.worker.heartbeat import Heartbeat
+    from auk_worker.service.worker.recovery import Reaper, RecoveryStore
     from tests.service.test_worker import make_record
 
     dead, waiting = (store.create(make_record({"instruction": "Hi.", "gen_seconds": 0.5}))[0] for _ in range(2))

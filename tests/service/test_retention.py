@@ -11,12 +11,12 @@ import time
 import pytest
 import redis
 
-from auk_worker.service.batches import BatchBook
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.retention import Sweeper, apply_lifecycle, lifecycle_rule_id
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage
-from auk_worker.service.uploads import Upload, UploadStore
+from auk_worker.service.records.batches import BatchBook
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.ops.retention import Sweeper, apply_lifecycle, lifecycle_rule_id
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.records.uploads import Upload, UploadStore
 
 OWNER, OTHER = "owner-aaaaaaaaaa", "owner-bbbbbbbbbb"
 
@@ -181,7 +181,7 @@ def test_retention_periods_parse_with_units_and_zero_keeps_forever() -> None:
 
 
 def test_ended_webhook_deliveries_expire_and_pending_ones_stay(redis_client: redis.Redis) -> None:
-    from auk_worker.service.webhooks import WebhookStore
+    from auk_worker.service.delivery.webhooks import WebhookStore
 
     deliveries = WebhookStore(redis_client, retain_s=1)
     sent = deliveries.enqueue(OWNER, "https://example.test/hook", "job.succeeded", {"id": "j1"})
@@ -207,7 +207,7 @@ def test_the_sweeper_runs_alone_from_the_command_line(service_env: dict[str, str
     storage.put_bytes(old, b"data", "audio/wav")
     time.sleep(2.2)
     env = {**os.environ, **service_env, "AUK_RETAIN_RESULTS": "2s", "AUK_LOG_FORMAT": "json", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "auk_worker.service.retention", "--once"], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "auk_worker.service.ops.retention", "--once"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert not storage.exists(old)

@@ -318,7 +318,7 @@ def test_a_voice_renders_bit_identical_from_the_workers_cache(service: Service, 
                                                               s3_server: S3Server, tmp_path: Path) -> None:  # fmt: skip
     """A real worker on the tiny Flash checkpoint (CPU): the same voice and seed twice through the speech endpoint
     give the same bytes, and the second render read the voice from the worker's cache (no reference encode)."""
-    from auk_dev.tiny import make_tiny_checkpoint
+    from auk_worker.tiny.checkpoint import make_tiny_checkpoint
     from tests.service.harness import REPO
 
     checkpoint = make_tiny_checkpoint(tmp_path / "flash", variant="flash")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from auk_worker.service.webhooks import (
+from auk_worker.service.delivery.webhooks import (
     RetryPolicy,
     WebhookDispatcher,
     WebhookSecrets,
@@ -287,11 +287,11 @@ def test_enqueue_with_a_delivery_id_is_idempotent(redis_client) -> None:
 
 
 def test_standalone_dispatcher_process(redis_server, redis_client, secrets, tmp_path) -> None:
-    """``python -m auk_worker.service.webhooks`` delivers what the API process enqueued, and stops on SIGTERM."""
+    """``python -m auk_worker.service.delivery.webhooks`` delivers what the API process enqueued, and stops on SIGTERM."""
     log_path = tmp_path / "webhooks.log"
     with Receiver(lambda: secrets.get(OWNER)) as receiver, open(log_path, "wb") as log_file:
         proc = subprocess.Popen([str(VENV_BIN / "python") if VENV_BIN.exists() else sys.executable, "-m",
-                                 "auk_worker.service.webhooks", "--redis-url", redis_server.url, "--allow", "127.0.0.1",
+                                 "auk_worker.service.delivery.webhooks", "--redis-url", redis_server.url, "--allow", "127.0.0.1",
                                  "--idle", "0.05"], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             store = WebhookStore(redis_client)

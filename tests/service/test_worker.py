@@ -19,11 +19,11 @@ import soundfile as sf
 
 from api.submit import record_request
 from auk_worker.rules import frames_for_seconds
-from auk_worker.service.celery_app import RENDER_TASK, make_celery, queue_name
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.schema import JobRequest
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, manifest_key, result_key
+from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.requests import JobRequest
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage, manifest_key, result_key
 from auk_worker.types import HOP
 
 OWNER = "0123456789abcdef"

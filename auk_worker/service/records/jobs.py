@@ -57,8 +57,8 @@ from typing import Any
 
 import redis
 
-from auk_worker.service.redis_client import redis_client
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.redis import redis_client
+from auk_worker.service.connect.settings import Settings
 
 
 class JobStatus(str, Enum):

@@ -25,7 +25,7 @@ feature, read top to bottom in the order a delivery meets them.
 Keys (namespace ``auk``): ``auk:webhook:{id}`` (hash), ``auk:webhooks:due`` (zset: id by due time, or by lease expiry
 while in flight), ``auk:webhook_secret:{owner}`` (hash: current, previous, previous_until).
 
-Run standalone with ``python -m auk_worker.service.webhooks``; inside another process, ``WebhookDispatcher.start()``.
+Run standalone with ``python -m auk_worker.service.delivery.webhooks``; inside another process, ``WebhookDispatcher.start()``.
 """
 
 from __future__ import annotations
@@ -512,11 +512,11 @@ def _first_bytes(response: httpx.Response, limit: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a dispatcher until SIGINT or SIGTERM; defaults from the ``AUK_*`` settings (``AUK_WEBHOOK_*``)."""
-    from auk_worker.service.redis_client import redis_client
-    from auk_worker.service.settings import Settings
+    from auk_worker.service.connect.redis import redis_client
+    from auk_worker.service.connect.settings import Settings
 
     settings = Settings.from_env()
-    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.webhooks", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.delivery.webhooks", description=main.__doc__)
     parser.add_argument("--redis-url", default=settings.redis_url, help="default: AUK_REDIS_URL")
     parser.add_argument("--allow", default=settings.webhook_allow,
                         help="hosts and networks called although not public (comma list; default: AUK_WEBHOOK_ALLOW)")

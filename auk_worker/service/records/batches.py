@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from auk_worker.service.jobs import TERMINAL, JobStatus, JobStore, batch_from_hash, utc_now
-from auk_worker.service.storage import manifest_key
+from auk_worker.service.records.jobs import TERMINAL, JobStatus, JobStore, batch_from_hash, utc_now
+from auk_worker.service.connect.storage import manifest_key
 
 log = logging.getLogger(__name__)
 

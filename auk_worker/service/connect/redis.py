@@ -32,55 +32,15 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from auk_worker.errors import ConfigError, InfraError
+from auk_worker.service.connect.redis_url import SentinelAddress, is_sentinel, parse_sentinel_url
 
-if TYPE_CHECKING:  # settings.py validates AUK_REDIS_URL with the parser below
-    from auk_worker.service.settings import Settings
+if TYPE_CHECKING:
+    from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SENTINEL_SCHEME = "sentinel"
 FAILOVER_RETRY_S = 15.0  # a command's retries on connection errors span a failover (detection + election)
 _FAILOVER_RETRIES = 20  # jittered waits of up to 0.05 * 2^n s, capped at 1 s: about FAILOVER_RETRY_S at most
-
-
-@dataclass(frozen=True)
-class SentinelAddress:
-    """A parsed Sentinel ``AUK_REDIS_URL``."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    db: int = 0
-    password: str | None = None
-    username: str | None = None
-
-
-def is_sentinel(url: str) -> bool:
-    return url.strip().lower().startswith(f"{SENTINEL_SCHEME}://")
-
-
-def parse_sentinel_url(url: str, name: str = "AUK_REDIS_URL") -> SentinelAddress:
-    """``sentinel://[[user]:password@]host:port[/db];sentinel://host:port[/db]...``; ConfigError naming ``name``."""
-    hosts: list[tuple[str, int]] = []
-    dbs: set[int] = set()
-    password = username = None
-    for part in (p.strip() for p in url.split(";")):
-        parsed = urlparse(part)
-        try:
-            port = parsed.port
-        except ValueError:
-            port = None
-        if parsed.scheme != SENTINEL_SCHEME or not parsed.hostname or port is None:
-            raise ConfigError(f"{name}: {part!r} is not sentinel://host:port (every ';'-separated part must be)")
-        path = parsed.path.strip("/")
-        if path:
-            if not path.isdigit():
-                raise ConfigError(f"{name}: the database in {part!r} must be a number")
-            dbs.add(int(path))
-        if parsed.password is not None:
-            password, username = unquote(parsed.password), unquote(parsed.username) if parsed.username else None
-        hosts.append((parsed.hostname, port))
-    if len(dbs) > 1:
-        raise ConfigError(f"{name}: the sentinels name different databases {sorted(dbs)}; give one, at the end")
-    return SentinelAddress(tuple(hosts), dbs.pop() if dbs else 0, password, username)
 
 
 class _MasterConnection(SentinelManagedConnection):

@@ -21,7 +21,7 @@ from typing import Any
 from auk_worker import rules
 from auk_worker.deploy import DiTSampling, load_deploy_config
 from auk_worker.errors import ConfigError
-from auk_worker.service.jobs import JobRecord
+from auk_worker.service.records.jobs import JobRecord
 
 log = logging.getLogger(__name__)
 

@@ -34,15 +34,11 @@ from typing import Any
 
 import redis
 
+from auk_worker.service.records.workers import STATES, heartbeat_key
+
 log = logging.getLogger(__name__)
 
-STATES = ("starting", "ready", "busy", "stalled", "failed")
-SERVING_STATES = ("ready", "busy")  # a worker with its pipeline loaded that is taking (or rendering) jobs
 FAILED_TTL_S = 300  # a failed worker's last word stays readable for a while after the process is gone
-
-
-def heartbeat_key(worker_id: str, namespace: str = "auk") -> str:
-    return f"{namespace}:worker:{worker_id}"
 
 
 class Heartbeat:
@@ -180,43 +176,3 @@ class Heartbeat:
         if self.stall_timeout_s is not None and stalled_for > self.stall_timeout_s and self.on_stuck is not None:
             self.on_stuck(f"the consumer has not consumed for {stalled_for:.0f} s while Redis answers")
         return True
-
-
-def public_view(beat: dict[str, str], now: float | None = None) -> dict[str, Any]:
-    """What an unauthenticated reader may see of a heartbeat: the worker's id, state, variant and the age of its
-    heartbeat in seconds; never a job id."""
-    try:
-        age = round((time.time() if now is None else now) - float(beat.get("ts", "")), 1)
-    except ValueError:
-        age = None
-    return {"id": beat.get("id", ""), "state": beat.get("state", ""), "variant": beat.get("variant", ""),
-            "age_s": age}  # fmt: skip
-
-
-def live_variants(beats: list[dict[str, Any]]) -> tuple[dict[str, list[str]], int]:
-    """From ``read_heartbeats``: each variant the live workers serve or are loading (state other than ``failed``)
-    with their ids, and how many live workers there are. A worker that does not know its variant yet (started
-    without ``AUK_VARIANT``, still loading its checkpoint) is listed under ``"?"``."""
-    variants: dict[str, list[str]] = {}
-    live = [beat for beat in beats if beat.get("state") != "failed"]
-    for beat in live:
-        variants.setdefault(beat.get("variant") or "?", []).append(beat.get("id", ""))
-    return variants, len(live)
-
-
-def read_heartbeats(client: redis.Redis, namespace: str = "auk") -> list[dict[str, Any]]:
-    """Every live worker's heartbeat (the API's readiness check); stale ids are pruned from the index."""
-    index = f"{namespace}:workers"
-    worker_ids = sorted(client.smembers(index))
-    if not worker_ids:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for worker_id in worker_ids:
-        pipe.hgetall(heartbeat_key(worker_id, namespace))
-    beats = []
-    for worker_id, beat in zip(worker_ids, pipe.execute()):
-        if beat:
-            beats.append({"id": worker_id, **beat})
-        else:
-            client.srem(index, worker_id)
-    return beats

@@ -57,8 +57,8 @@ from dataclasses import dataclass
 
 import redis
 
-from auk_worker.service.celery_app import RECOVERY, queue_name
-from auk_worker.service.jobs import LUA_HELPERS, JobStore
+from auk_worker.service.queues.celery_app import RECOVERY, queue_name
+from auk_worker.service.records.jobs import LUA_HELPERS, JobStore
 
 log = logging.getLogger(__name__)
 

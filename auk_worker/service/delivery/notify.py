@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from auk_worker.service.jobs import JobRecord, JobStore, Transition
-from auk_worker.service.webhooks import WebhookStore, delivery_id_for
+from auk_worker.service.records.jobs import JobRecord, JobStore, Transition
+from auk_worker.service.delivery.webhooks import WebhookStore, delivery_id_for
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from auk_worker import rules
 from auk_worker.deploy import DeployConfig, load_deploy_config
 from auk_worker.errors import AuKError, ConfigError, InputError
 from auk_worker.rules import Knobs
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect.settings import Settings
 from auk_worker.types import HOP, RenderRequest, RenderResult
 
 

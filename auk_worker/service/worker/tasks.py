@@ -53,18 +53,18 @@ from celery import Celery, Task
 from auk_worker import formats, rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory, StorageUnavailable
-from auk_worker.service.batches import write_results
-from auk_worker.service.celery_app import RENDER_TASK
-from auk_worker.service.grouping import RENDER_GROUP_TASK
-from auk_worker.service.health import Heartbeat
-from auk_worker.service.jobs import JobRecord, JobStatus, JobStore
-from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier
-from auk_worker.service.replies import ReplySender
-from auk_worker.service.logs import job_context
-from auk_worker.service.metrics import WorkerMetrics
-from auk_worker.service.schema import JobRequest
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
+from auk_worker.service.records.batches import write_results
+from auk_worker.service.queues.celery_app import RENDER_TASK
+from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
+from auk_worker.service.worker.heartbeat import Heartbeat
+from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.connect.redis import RedisFailedOver, ReplicationBarrier
+from auk_worker.service.delivery.replies import ReplySender
+from auk_worker.service.connect.logs import job_context
+from auk_worker.service.worker.metrics import WorkerMetrics
+from auk_worker.service.records.requests import JobRequest
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage, StorageWait, input_object, result_key, upload_key
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
 

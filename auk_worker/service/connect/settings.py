@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from auk_worker.errors import ConfigError
-from auk_worker.service.redis_client import is_sentinel, parse_sentinel_url
+from auk_worker.service.connect.redis_url import is_sentinel, parse_sentinel_url
 
 VARIANTS = ("base", "flash")
 # AUK_PIPELINE: ``auk`` loads AUK_CHECKPOINT; ``instant`` is the model-free fake of the queue-overhead benchmark and
@@ -179,7 +179,7 @@ class Settings:
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
     retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
     # Webhooks (webhooks.py, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher threads
-    # the API runs (0: none, run `python -m auk_worker.service.webhooks` instead); its timeout and retry schedule.
+    # the API runs (0: none, run `python -m auk_worker.service.delivery.webhooks` instead); its timeout and retry schedule.
     webhook_allow: str = ""  # AUK_WEBHOOK_ALLOW, e.g. "127.0.0.1,hooks.internal,10.1.0.0/16"
     webhook_threads: int = 2  # AUK_WEBHOOK_THREADS
     webhook_timeout_s: float = 10.0  # AUK_WEBHOOK_TIMEOUT

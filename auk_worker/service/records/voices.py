@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import redis
 
-from auk_worker.service.jobs import utc_now
+from auk_worker.service.records.jobs import utc_now
 
 VOICE_PREFIX = "voice_"
 

@@ -18,7 +18,7 @@ What Redis cannot expire on its own is swept here every ``AUK_RETAIN_SWEEP_INTER
   sweeper lists ``<prefix>uploads/`` and ``<prefix>jobs/`` and deletes what is older than the period.
 
 The API runs the sweeper in a background thread (one API replica per interval holds a Redis lock); ``python -m
-auk_worker.service.retention [--once] [--all-objects]`` runs it alone.
+auk_worker.service.ops.retention [--once] [--all-objects]`` runs it alone.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
-from auk_worker.service.jobs import TERMINAL, JobStatus, JobStore
-from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, error_code
+from auk_worker.service.records.jobs import TERMINAL, JobStatus, JobStore
+from auk_worker.service.connect.settings import Settings
+from auk_worker.service.connect.storage import Storage, error_code
 
 log = logging.getLogger(__name__)
 
@@ -254,16 +254,16 @@ def start_background(settings: Settings, store: JobStore, storage: Storage) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m auk_worker.service.retention``: apply lifecycle rules and sweep (``--once``, or forever)."""
-    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.retention",
+    """``python -m auk_worker.service.ops.retention``: apply lifecycle rules and sweep (``--once``, or forever)."""
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.ops.retention",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="one sweep, then exit")
     parser.add_argument("--all-objects", action="store_true",
                         help="list and delete old objects under every prefix, lifecycle rule or not (a store such "
                              "as SeaweedFS applies a new rule only to objects written after it)")  # fmt: skip
     args = parser.parse_args(argv)
-    from auk_worker.service.logs import configure_logging
-    from auk_worker.service.redis_client import redis_client
+    from auk_worker.service.connect.logs import configure_logging
+    from auk_worker.service.connect.redis import redis_client
 
     settings = Settings.from_env()
     configure_logging(settings.log_format)

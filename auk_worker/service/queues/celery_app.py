@@ -18,9 +18,9 @@ Reliability settings, each for a reason:
   cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again soon after Redis returns.
 - A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
   there the jobs whose worker died, so they run again next rather than behind the whole queue.
-- Remote control and task events on: ``celery -A auk_worker.service.celery_app inspect ping`` is answered by an
+- Remote control and task events on: ``celery -A auk_worker.service.queues.celery_app inspect ping`` is answered by an
   idle worker (a solo worker renders in the process that answers, so not during a job), and Flower
-  (``celery -A auk_worker.service.celery_app flower``) sees workers, their heartbeats and every task from
+  (``celery -A auk_worker.service.queues.celery_app flower``) sees workers, their heartbeats and every task from
   ``task-sent`` (published by the API) to ``task-succeeded``.
 
 Building the app connects to nothing. The module's ``app`` (what ``celery -A`` looks for) is built from the
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from celery import Celery
 
-from auk_worker.service.broker import BrokerAMQP
-from auk_worker.service.redis_client import broker_pool_limit, broker_transport_options, broker_url
-from auk_worker.service.settings import Settings
+from auk_worker.service.queues.broker import BrokerAMQP
+from auk_worker.service.connect.redis import broker_pool_limit, broker_transport_options, broker_url
+from auk_worker.service.connect.settings import Settings
 
 RENDER_TASK = "auk.render"
 PRIORITIES = ("interactive", "bulk")  # polling order
@@ -88,7 +88,7 @@ _app: Celery | None = None
 
 
 def __getattr__(name: str) -> Celery:
-    """``app`` for ``celery -A auk_worker.service.celery_app`` (inspect, control, events, Flower): built from the
+    """``app`` for ``celery -A auk_worker.service.queues.celery_app`` (inspect, control, events, Flower): built from the
     environment's ``AUK_*`` settings on first access, never at import."""
     global _app
     if name == "app":

@@ -1,4 +1,4 @@
-"""``python -m auk_worker.service.probe``: a worker container's health probe, read from its heartbeat in Redis.
+"""``python -m auk_worker.service.ops.probe``: a worker container's health probe, read from its heartbeat in Redis.
 
 A solo Celery worker renders in its main thread and cannot answer a ping while busy, so the probe asks Redis
 instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>``, which ``health.py`` rewrites every
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import redis
 
 from auk_worker.errors import ConfigError
-from auk_worker.service.health import SERVING_STATES, heartbeat_key, read_heartbeats
-from auk_worker.service.redis_client import redis_client
-from auk_worker.service.settings import Settings
+from auk_worker.service.records.workers import SERVING_STATES, heartbeat_key, read_heartbeats
+from auk_worker.service.connect.redis import redis_client
+from auk_worker.service.connect.settings import Settings
 
 DEFAULT_MAX_AGE_S = 15.0
 REDIS_TIMEOUT_S = 3.0  # well inside a probe's timeoutSeconds
@@ -91,7 +91,7 @@ def probe(worker_id: str | None, settings: Settings, max_age_s: float, live: boo
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.ops.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--live", action="store_true", help="liveness: any state but failed, heartbeat fresh")
     parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help=f"oldest acceptable heartbeat in seconds (default {DEFAULT_MAX_AGE_S:g})")  # fmt: skip

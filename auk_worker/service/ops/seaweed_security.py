@@ -15,7 +15,7 @@ take objects from anyone who can reach them. What closes each:
 
 ``write_security(directory)`` writes ``security.toml`` (read by weed from its working directory, or from
 ``/etc/seaweedfs``) with fresh random JWT keys, and the CA, certificate and key it names. ``S3Server`` calls it for
-the demo and the tests; ``python -m auk_worker.service.seaweed_security /etc/seaweedfs`` is docker-compose's
+the demo and the tests; ``python -m auk_worker.service.ops.seaweed_security /etc/seaweedfs`` is docker-compose's
 ``seaweedfs-security`` service, run once before SeaweedFS starts (an existing ``security.toml`` is kept).
 """
 
@@ -94,10 +94,10 @@ def write_security(directory: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m auk_worker.service.seaweed_security DIR``: write DIR/security.toml once (kept if present)."""
+    """``python -m auk_worker.service.ops.seaweed_security DIR``: write DIR/security.toml once (kept if present)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m auk_worker.service.seaweed_security DIRECTORY", file=sys.stderr)
+        print("usage: python -m auk_worker.service.ops.seaweed_security DIRECTORY", file=sys.stderr)
         return 2
     toml = Path(args[0]) / "security.toml"
     if toml.exists():

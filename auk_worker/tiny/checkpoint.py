@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from auk_worker.checkpoint import VAE_FILE, WEIGHTS_FILE, Variant
 from auk_worker.model.dit import AuKDiT, DiTConfig
-from auk_dev.tiny_qwen import write_tiny_qwen
+from auk_worker.tiny.qwen import write_tiny_qwen
 from auk_worker.model.vae import AuKVAE, VAEConfig
 
 QWEN_SUBDIR = "qwen"

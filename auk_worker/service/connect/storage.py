@@ -33,8 +33,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from auk_worker.errors import InfraError, InputError, StorageUnavailable
-from auk_worker.service import presign
-from auk_worker.service.settings import Settings
+from auk_worker.service.connect import presign
+from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
 

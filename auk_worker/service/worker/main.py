@@ -36,21 +36,21 @@ import redis
 from celery import Celery, bootsteps, signals
 
 from auk_worker.errors import AuKError, ConfigError, InfraError
-from auk_worker.service.caches import use_compile_caches
-from auk_worker.service.celery_app import RENDER_TASK, make_celery, worker_queues
-from auk_worker.service.grouping import RENDER_GROUP_TASK
-from auk_worker.service.fairshare import FairShare, Feeder
-from auk_worker.service.health import Heartbeat
-from auk_worker.service.jobs import JobStore
-from auk_worker.service.notify import notifying_store
-from auk_worker.service.logs import configure_logging, set_identity
-from auk_worker.service.metrics import WorkerMetrics
-from auk_worker.service.recovery import Reaper, RecoveryStore
-from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier, redis_client
-from auk_worker.service.replies import ReplySender
-from auk_worker.service.settings import VARIANTS, Settings, worker_id_or_none
-from auk_worker.service.storage import Storage
-from auk_worker.service.tasks import Pipeline, RenderRuntime, register
+from auk_worker.service.worker.caches import use_compile_caches
+from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, worker_queues
+from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
+from auk_worker.service.queues.fairshare import FairShare, Feeder
+from auk_worker.service.worker.heartbeat import Heartbeat
+from auk_worker.service.records.jobs import JobStore
+from auk_worker.service.delivery.notify import notifying_store
+from auk_worker.service.connect.logs import configure_logging, set_identity
+from auk_worker.service.worker.metrics import WorkerMetrics
+from auk_worker.service.worker.recovery import Reaper, RecoveryStore
+from auk_worker.service.connect.redis import RedisFailedOver, ReplicationBarrier, redis_client
+from auk_worker.service.delivery.replies import ReplySender
+from auk_worker.service.connect.settings import VARIANTS, Settings, worker_id_or_none
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.worker.tasks import Pipeline, RenderRuntime, register
 from auk_worker.voice_cache import VoiceCache
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,9 @@ def _note_delivery(records: RecoveryStore, holder: str):
 def load_pipeline(settings: Settings, deploy=None) -> Pipeline:
     """The real pipeline from ``AUK_CHECKPOINT``; the instant fake for ``AUK_PIPELINE=instant``; for
     ``AUK_PIPELINE=random-release`` (benchmarks only: release-size random weights, audio is noise) the pipeline of
-    ``bench/models.py``, built on the deploy config's device at its precision."""
+    ``auk_worker/pipeline/random_weights.py``, built on the deploy config's device at its precision."""
     if settings.pipeline == "instant":
-        from auk_worker.service.instant import InstantPipeline
+        from auk_worker.service.worker.instant import InstantPipeline
 
         return InstantPipeline.from_env(settings.variant or "base")
     from auk_worker.deploy import load_deploy_config
@@ -155,7 +155,7 @@ def load_pipeline(settings: Settings, deploy=None) -> Pipeline:
 
     deploy = deploy or load_deploy_config(settings.deploy_config)
     if settings.pipeline == "random-release":
-        from bench.models import random_pipeline  # the repository root is on the path: a benchmark worker
+        from auk_worker.pipeline.random_weights import random_pipeline
 
         device = resolve_device(deploy.dit.devices)
         log.warning("worker: AUK_PIPELINE=random-release: random weights at release size, for benchmarks only")
@@ -297,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main_worker(argv: list[str] | None = None) -> int:
-    """Entry point of ``auk worker`` (and ``python -m auk_worker.service.worker``)."""
+    """Entry point of ``auk worker`` (and ``python -m auk_worker.service.worker.main``)."""
     args = _parser().parse_args(argv)
     try:
         settings = Settings.from_env()

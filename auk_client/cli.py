@@ -146,7 +146,7 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
 
 def _announce_page(batch_id: str) -> None:
     """Print the batch's listening-page link (``auk page``), or why there is none; the batch is queued either way."""
-    from auk_worker.client_batches import CommandError, page_link
+    from auk_client.cli_batches import CommandError, page_link
 
     try:
         print(f"listen: {page_link(batch_id)}", file=sys.stderr)

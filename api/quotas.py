@@ -21,9 +21,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
 from auk_worker.errors import TooManyRequests
-from auk_worker.service.jobs import JobStatus, JobStore
-from auk_worker.service.redis_client import is_sentinel, parse_sentinel_url
-from auk_worker.service.settings import Settings
+from auk_worker.service.records.jobs import JobStatus, JobStore
+from auk_worker.service.connect.redis import is_sentinel, parse_sentinel_url
+from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
 
