@@ -16,7 +16,7 @@ from fastapi import Request
 from auk_worker.service.records.batches import BatchBook
 from auk_worker.service.queues.celery_app import make_celery
 from auk_worker.service.queues.fairshare import FairShare
-from auk_worker.service.records.jobs import JobStore
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.delivery.notify import Notifier, NotifyingJobStore
 from auk_worker.service.connect.redis import ReplicationBarrier, redis_client
 from auk_worker.service.delivery.replies import ReplyWaiter
@@ -24,7 +24,8 @@ from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage
 from auk_worker.service.records.uploads import UploadStore
 from auk_worker.service.records.voices import VoiceStore
-from auk_worker.service.delivery.webhooks import RetryPolicy, WebhookDispatcher, WebhookSecrets, WebhookStore
+from auk_worker.service.delivery.webhooks.dispatch import WebhookDispatcher
+from auk_worker.service.delivery.webhooks.store import RetryPolicy, WebhookSecrets, WebhookStore
 from auk_worker.urlguard import UrlGuard, UrlPolicy
 
 REDIS_TIMEOUT_S = 5.0

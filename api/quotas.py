@@ -21,29 +21,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
 from auk_worker.errors import TooManyRequests
-from auk_worker.service.records.jobs import JobStatus, JobStore
-from auk_worker.service.connect.redis import is_sentinel, parse_sentinel_url
+from auk_worker.service.records import scripts
+from auk_worker.service.records.jobs import JobStatus
+from auk_worker.service.records.store import JobStore
+from auk_worker.service.connect.redis_url import is_sentinel, parse_sentinel_url
 from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
 
 QUEUED_RETRY_AFTER_S = 30  # a key over its queued-jobs quota waits for some of them to finish
-
-# KEYS: the key's bucket. ARGV: rate (tokens per second), burst. Returns the seconds to wait, "0" when admitted.
-_TAKE = """
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens = tonumber(state[1]) or burst
-local at = tonumber(state[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-local wait = 0
-if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
-return tostring(wait)
-"""
 
 
 def async_redis_client(settings: Settings, timeout_s: float) -> aioredis.Redis:
@@ -66,7 +52,7 @@ class RateLimiter:
         self.rate = rate
         self.burst = burst
         self.ns = namespace
-        self._take = client.register_script(_TAKE)
+        self._take = client.register_script(scripts.RATE_TAKE)
 
     async def take(self, owner: str) -> float:
         """Take one request from ``owner``'s bucket: 0 when admitted, else the seconds until it may try again."""

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from auk_worker.service.records.jobs import JobRecord, JobStore
+from auk_worker.service.records.jobs import JobRecord
+from auk_worker.service.records.store import JobStore
 from auk_dev.local import ApiProcess, RedisServer, free_port
 from bench.common import RESULTS, commit
 

@@ -27,7 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
 from auk_dev.local import REPO, RedisServer, S3Server, WorkerProcess, connection_env
 from bench.common import commit

@@ -2,7 +2,7 @@
 
 A private ``redis-server`` (the Debian package, persistence off); N jobs go through the real ``JobStore`` as the API
 and a worker drive it: created with an idempotency key (a realistic instruct-TTS request, as ``api/submit.py``
-prepares it), started, finished with a result as ``tasks.py`` records it (model hashes, timings). Reported:
+prepares it), started, finished with a result as ``worker/outcome.py`` records it (model hashes, timings). Reported:
 ``INFO used_memory`` before and after divided by N, ``MEMORY USAGE`` of one record, one idempotency key and the
 owner index per entry; then, with a retention of 1 s, what is left after the records expire and the sweeper runs.
 """
@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from auk_worker.service.records.jobs import JobRecord, JobStore
+from auk_worker.service.records.jobs import JobRecord
+from auk_worker.service.records.store import JobStore
 from auk_dev.local import RedisServer
 from auk_worker.service.ops.retention import Sweeper
 from auk_worker.service.connect.settings import Settings

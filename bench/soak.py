@@ -39,7 +39,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from auk_worker.service.records.jobs import JobStatus, JobStore
+from auk_worker.service.records.jobs import JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_dev.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage

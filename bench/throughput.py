@@ -39,7 +39,8 @@ import httpx
 import yaml
 
 from auk_worker.deploy import DiTDtype, load_deploy_config
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_dev.local import (
     REPO,
     ApiProcess,

@@ -8,13 +8,8 @@ from redis.sentinel import SentinelConnectionPool
 
 from auk_worker.errors import ConfigError
 from auk_worker.service.queues.celery_app import make_celery
-from auk_worker.service.connect.redis import (
-    SentinelAddress,
-    broker_transport_options,
-    broker_url,
-    parse_sentinel_url,
-    redis_client,
-)
+from auk_worker.service.connect.redis import broker_transport_options, broker_url, redis_client
+from auk_worker.service.connect.redis_url import SentinelAddress, parse_sentinel_url
 from auk_worker.service.connect.settings import Settings
 
 URL = "sentinel://10.0.0.1:26379;sentinel://10.0.0.2:26380;sentinel://sentinel-3:26381/2"

@@ -10,9 +10,8 @@ from datetime import datetime, timezone
 import pytest
 
 from auk_worker.errors import InputError
-from auk_worker.service.delivery.webhooks import (
+from auk_worker.service.delivery.webhooks.signing import (
     EVENT_TYPES,
-    RetryPolicy,
     WebhookVerificationError,
     event_body,
     new_secret,
@@ -20,6 +19,7 @@ from auk_worker.service.delivery.webhooks import (
     signed_headers,
     verify,
 )
+from auk_worker.service.delivery.webhooks.store import RetryPolicy
 
 # The vector of the reference Python library's tests (standard-webhooks/standard-webhooks,
 # libraries/python/tests/test_webhooks.py: test_sign_function).

@@ -54,7 +54,7 @@ def cancel_batch(batch_id: str, owner: str = Depends(caller), svc: Services = De
                        "canceled", code="already_finished")  # fmt: skip
     batch, canceled = svc.batches.cancel(batch_id, owner)
     if batch["done"] and batch["manifest_key"] is None:  # also a retry after storage refused the first time
-        write_results(svc.store, svc.storage, svc.settings.s3_prefix, batch_id)
+        write_results(svc.store, svc.storage, svc.settings.s3_prefix, batch_id, notifier=svc.notifier)
         batch = svc.batches.get(batch_id)
     body = batch_record(svc, batch)
     body["canceled_now"] = canceled

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from auk_worker.service.records.jobs import JobStore
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage
 from tests.service.harness import RedisServer, S3Server, WorkerProcess, connection_env

@@ -16,7 +16,7 @@ import soundfile as sf
 
 from auk_worker.errors import ConfigError
 from auk_worker.service.connect.settings import Settings
-from auk_worker.service.delivery.webhooks import verify
+from auk_worker.service.delivery.webhooks.signing import verify
 from tests.service.batch_service import KEY_A, KEY_B, BatchService, batch_service
 from tests.service.conftest import BUCKET
 from tests.service.test_webhooks import Receiver

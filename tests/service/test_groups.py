@@ -19,7 +19,8 @@ import yaml
 from auk_worker.deploy import DiTSampling
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, plan_groups
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import manifest_key, result_key
 from bench.throughput import group_phases

@@ -7,7 +7,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore, owner_id
+from auk_worker.service.records.jobs import JobRecord, JobStatus, owner_id
+from auk_worker.service.records.store import JobStore
 
 ALICE = owner_id("alice-key")
 BOB = owner_id("bob-key")

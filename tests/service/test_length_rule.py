@@ -3,7 +3,7 @@
 Clips at awkward sample rates sit exactly on a latent-frame boundary (the fewest samples whose 24 kHz copy holds
 ``c`` whole frames) or one sample short of it, with a target that brings clip plus target to exactly 1500 frames
 (30 s) or one frame over. Each request goes through the real code paths: the API over its app (upload, then
-``POST /v1/jobs``, with the session's Redis and SeaweedFS), the worker's ``_prepare`` on the record (fetch, decode,
+``POST /v1/jobs``, with the session's Redis and SeaweedFS), the worker's ``steps.prepare`` on the record (fetch, decode,
 length rule), ``AuKPipeline.target_frames`` on the length ``resample`` returns, and the instant pipeline's render.
 """
 
@@ -23,11 +23,13 @@ from auk_worker.deploy import load_deploy_config
 from auk_worker.errors import InputError
 from auk_worker.pipeline import AuKPipeline
 from auk_worker.service.worker.instant import InstantPipeline
-from auk_worker.service.records.jobs import JobRecord, JobStore, owner_id
+from auk_worker.service.records.jobs import JobRecord, owner_id
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage
-from auk_worker.service.worker.tasks import RenderRuntime, _prepare
+from auk_worker.service.worker.runtime import RenderRuntime
+from auk_worker.service.worker.steps import prepare
 from auk_worker.types import RenderRequest
 from tests.service.harness import REPO
 
@@ -97,7 +99,7 @@ def test_api_and_worker_agree_at_exactly_30_s_and_one_frame_over(rate, service_e
             else:
                 request = JobRequest.model_validate(body).model_dump(mode="json")
                 record = JobRecord.new(owner_id(KEY), {**request, "clip": None})
-            worker = _verdict(lambda: _prepare(runtime, record))
+            worker = _verdict(lambda: prepare(runtime, record))
 
             clip = decode_audio(data)
             assert len(clip.samples) == samples and clip.sample_rate == rate

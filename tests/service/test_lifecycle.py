@@ -22,7 +22,8 @@ from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
 from auk_worker.service.records.workers import public_view
 from auk_worker.service.worker.heartbeat import Heartbeat
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage, result_key
 from tests.service.conftest import BUCKET

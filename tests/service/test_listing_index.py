@@ -16,7 +16,8 @@ import httpx
 import pytest
 import redis
 
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore, owner_id
+from auk_worker.service.records.jobs import JobRecord, JobStatus, owner_id
+from auk_worker.service.records.store import JobStore
 from tests.service.harness import ApiProcess, free_port
 
 KEY_A, KEY_B = "key-listing-alpha-0123456789", "key-listing-bravo-0123456789"

@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.storage import result_key
 from tests.service.harness import ApiProcess, WorkerProcess, free_port
 from tests.service.test_worker import submit, wait_for, wait_terminal, wavs
@@ -193,14 +194,14 @@ def test_a_job_received_by_a_worker_that_died_before_starting_it_is_sent_again(r
     """The window the fleet test found: a message received (a group's later members wait for the earlier ones'
     starts) and the worker killed before the start. The record is still queued; its receiver is noted on it."""
     from auk_worker.service.worker.heartbeat import Heartbeat
-    from auk_worker.service.worker.recovery import Reaper, RecoveryStore
+    from auk_worker.service.worker.recovery import Reaper
     from tests.service.test_worker import make_record
 
     dead, waiting = (store.create(make_record({"instruction": "Hi.", "gen_seconds": 0.5}))[0] for _ in range(2))
     alive = Heartbeat(redis_client, "w-alive", "base", instance="0a0a0a0a").start()  # holds one for a retry's ETA
     try:
-        RecoveryStore(store).mark_delivered([dead.id], "w-gone/deadbeef")
-        RecoveryStore(store).mark_delivered([waiting.id], alive.holder)
+        store.mark_delivered([dead.id], "w-gone/deadbeef")
+        store.mark_delivered([waiting.id], alive.holder)
         sent: list[tuple[str, str]] = []
         recovered = Reaper(store, lambda job_id, queue: sent.append((job_id, queue))).run()
         assert sent == [(dead.id, "auk.base.recovery")] and [r.job_id for r in recovered] == [dead.id]

@@ -12,7 +12,8 @@ import pytest
 import redis
 
 from auk_worker.service.records.batches import BatchBook
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.ops.retention import Sweeper, apply_lifecycle, lifecycle_rule_id
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage
@@ -181,7 +182,7 @@ def test_retention_periods_parse_with_units_and_zero_keeps_forever() -> None:
 
 
 def test_ended_webhook_deliveries_expire_and_pending_ones_stay(redis_client: redis.Redis) -> None:
-    from auk_worker.service.delivery.webhooks import WebhookStore
+    from auk_worker.service.delivery.webhooks.store import WebhookStore
 
     deliveries = WebhookStore(redis_client, retain_s=1)
     sent = deliveries.enqueue(OWNER, "https://example.test/hook", "job.succeeded", {"id": "j1"})

@@ -24,7 +24,8 @@ import httpx
 import pytest
 import redis
 
-from auk_worker.service.records.jobs import JobStatus, JobStore
+from auk_worker.service.records.jobs import JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_dev.local_sentinel import RedisSentinelSet
 from auk_worker.service.connect.redis import redis_client
 from auk_worker.service.connect.settings import Settings

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.storage import result_key, upload_key
 from auk_worker.formats import encode
 from tests.service.test_groups import BULK, create, send_group

@@ -18,15 +18,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from auk_worker.service.delivery.webhooks import (
-    RetryPolicy,
-    WebhookDispatcher,
-    WebhookSecrets,
-    WebhookStore,
-    WebhookVerificationError,
-    delivery_id_for,
-    verify,
-)
+from auk_worker.service.delivery.webhooks.dispatch import WebhookDispatcher
+from auk_worker.service.delivery.webhooks.signing import WebhookVerificationError, verify
+from auk_worker.service.delivery.webhooks.store import RetryPolicy, WebhookSecrets, WebhookStore, delivery_id_for
 from auk_worker.urlguard import UrlGuard, UrlPolicy
 from tests.service.harness import REPO, VENV_BIN, wait_until
 

@@ -20,7 +20,8 @@ import soundfile as sf
 from api.submit import record_request
 from auk_worker.rules import frames_for_seconds
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
-from auk_worker.service.records.jobs import JobRecord, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobRecord, JobStatus
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage, manifest_key, result_key

@@ -22,17 +22,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import quote
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
-from auk_worker.errors import ConfigError, InfraError
-from auk_worker.service.connect.redis_url import SentinelAddress, is_sentinel, parse_sentinel_url
+from auk_worker.errors import InfraError
+from auk_worker.service.connect.redis_url import SENTINEL_SCHEME, is_sentinel, parse_sentinel_url
 
 if TYPE_CHECKING:
     from auk_worker.service.connect.settings import Settings

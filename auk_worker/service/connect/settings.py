@@ -178,7 +178,7 @@ class Settings:
     pipeline: str = "auk"
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
     retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
-    # Webhooks (webhooks.py, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher threads
+    # Webhooks (delivery/webhooks/, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher threads
     # the API runs (0: none, run `python -m auk_worker.service.delivery.webhooks` instead); its timeout and retry schedule.
     webhook_allow: str = ""  # AUK_WEBHOOK_ALLOW, e.g. "127.0.0.1,hooks.internal,10.1.0.0/16"
     webhook_threads: int = 2  # AUK_WEBHOOK_THREADS

@@ -4,7 +4,7 @@ A job that names a ``webhook_url`` gets one delivery when it ends (``job.succeed
 ``job.canceled``); a batch that names one gets ``batch.completed`` once its manifest is stored. The delivery id is
 derived from the record (``msg_job_<id>``, ``msg_batch_<id>``), so every path that sees the end may enqueue it and
 the first enqueue stands: the transition itself (``NotifyingJobStore``), a redelivered task that meets an ended job,
-and whichever process writes the batch's results. ``webhooks.py`` signs, sends and retries.
+and whichever process writes the batch's results. ``webhooks/`` signs, sends and retries.
 
 The event's ``data`` is the record as the API shows it, with a freshly presigned result URL when storage is at hand.
 """
@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from auk_worker.service.records.jobs import JobRecord, JobStore, Transition
-from auk_worker.service.delivery.webhooks import WebhookStore, delivery_id_for
+from auk_worker.service.records.jobs import JobRecord
+from auk_worker.service.records.store import JobStore
+from auk_worker.service.records.transitions import Transition
+from auk_worker.service.delivery.webhooks.store import WebhookStore, delivery_id_for
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,8 @@ class NotifyingJobStore(JobStore):
     """A ``JobStore`` whose terminal transitions (finish, fail, cancel) enqueue the job's webhook, if it has one.
 
     The delivery is enqueued after the transition; if Redis fails in between, the task's retry meets the ended
-    job and enqueues it then (``tasks._after_terminal``)."""
+    job and enqueues it then (``worker/outcome.ended_elsewhere``). The worker itself does not use this store: its
+    ``outcome.py`` fires the webhook after each ending."""
 
     def __init__(self, redis_client: Any, notifier: Notifier, namespace: str = "auk", retain_s: int = 0) -> None:
         super().__init__(redis_client, namespace, retain_s)
@@ -88,11 +91,3 @@ class NotifyingJobStore(JobStore):
     def _told(self, outcome: Transition) -> Transition:
         self.notifier.job_ended(outcome.record)
         return outcome
-
-
-def notifying_store(redis_client: Any, storage: Any, presign_seconds: int = 3600,
-                    retain_s: int = 0) -> NotifyingJobStore:  # fmt: skip
-    """The job store a worker or the API uses: deliveries in the same Redis, result URLs presigned by ``storage``;
-    finished records kept ``retain_s`` seconds (0: forever)."""
-    notifier = Notifier(WebhookStore(redis_client), storage, presign_seconds)
-    return NotifyingJobStore(redis_client, notifier, retain_s=retain_s)

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import Sentinel
 
-from auk_worker.service.connect.redis import is_sentinel, parse_sentinel_url
+from auk_worker.service.connect.redis_url import is_sentinel, parse_sentinel_url
 from auk_worker.service.connect.settings import Settings
 
 REPLY_TTL_S = 60  # a reply nobody took is dropped after this long

@@ -36,7 +36,8 @@ from typing import Any
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
-from auk_worker.service.records.jobs import TERMINAL, JobStatus, JobStore
+from auk_worker.service.records.jobs import JobStatus, TERMINAL
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
 from auk_worker.service.connect.storage import Storage, error_code
 

@@ -28,43 +28,14 @@ from collections.abc import Callable, Sequence
 
 import redis
 
+from auk_worker.service.records import scripts
+
 log = logging.getLogger(__name__)
 
 FEED_INTERVAL_S = 0.5  # the feeder's wake-up without a nudge
 LOCK_MS = 10_000  # one feeder at a time; a lock outlives a dead feeder this long
 INFLIGHT_STALE_S = 60.0  # a released task not confirmed sent by then is sent again
 STAGE_CHUNK = 1000  # tasks staged per script call (Lua's unpack has a limit)
-
-# KEYS: ring, the key's staged list, the set of staged queues. ARGV: owner, queue, items...
-_STAGE = """
-local before = redis.call('LLEN', KEYS[2])
-redis.call('RPUSH', KEYS[2], unpack(ARGV, 3))
-if before == 0 then redis.call('RPUSH', KEYS[1], ARGV[1]) end
-redis.call('SADD', KEYS[3], ARGV[2])
-return before
-"""
-
-# KEYS: ring, inflight hash. ARGV: staged-list prefix, count, now. Returns the released items, round-robin by key.
-_RELEASE = """
-local out = {}
-for i = 1, tonumber(ARGV[2]) do
-  local owner = redis.call('LPOP', KEYS[1])
-  if not owner then break end
-  local staged = ARGV[1] .. owner
-  local item = redis.call('LPOP', staged)
-  if item then
-    out[#out + 1] = item
-    redis.call('HSET', KEYS[2], item, ARGV[3])
-  end
-  if redis.call('LLEN', staged) > 0 then redis.call('RPUSH', KEYS[1], owner) end
-end
-return out
-"""
-
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 Send = Callable[[str, list, str], None]  # (task name, args, queue): Celery's send_task
 
@@ -76,9 +47,9 @@ class FairShare:
         self.redis = client
         self.depth = depth
         self.ns = namespace
-        self._stage = client.register_script(_STAGE)
-        self._release = client.register_script(_RELEASE)
-        self._unlock = client.register_script(_UNLOCK)
+        self._stage = client.register_script(scripts.FAIR_STAGE)
+        self._release = client.register_script(scripts.FAIR_RELEASE)
+        self._unlock = client.register_script(scripts.UNLOCK)
 
     def _ring(self, queue: str) -> str:
         return f"{self.ns}:bulk:{queue}:ring"

@@ -8,7 +8,7 @@ batch hash and one more index:
 
 Cancel marks the batch (``canceled_at``), then cancels every job that has not ended through ``JobStore.cancel``:
 a queued job's message is skipped when a worker meets it, and a running one stops at its next step (the worker's
-step callback reads the record, ``tasks._Progress``), so the model code needs no cancel path of its own.
+step callback reads the record, ``worker/steps.Progress``), so the model code needs no cancel path of its own.
 
 ``write_results`` stores the batch's results once every job has ended: an error file (JSONL, one line per job that
 did not succeed: ``custom_id``, ``job_id``, ``status`` and ``error``, as OpenAI's Batch API ``error_file``), then
@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from auk_worker.service.records.jobs import TERMINAL, JobStatus, JobStore, batch_from_hash, utc_now
+from auk_worker.service.records.jobs import JobStatus, TERMINAL, batch_from_hash, utc_now
+from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.storage import manifest_key
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,10 @@ def result_lines(store: JobStore, batch_id: str) -> tuple[list[str], list[str]]:
     return manifest, errors
 
 
-def write_results(store: JobStore, storage: Any, prefix: str, batch_id: str) -> str:
+def write_results(store: JobStore, storage: Any, prefix: str, batch_id: str, notifier: Any | None = None) -> str:
     """Store the error file (if a job did not succeed) and the manifest, mark the batch done, and enqueue its
-    ``batch.completed`` webhook when the store notifies (``notify.NotifyingJobStore``). Returns the manifest key.
+    ``batch.completed`` webhook through ``notifier`` (a ``delivery.notify.Notifier``; records never import
+    delivery, so it is handed in). Returns the manifest key.
 
     An ``InfraError`` from storage leaves the batch not done; the next writer (a retried task) tries again."""
     manifest, errors = result_lines(store, batch_id)
@@ -154,7 +156,6 @@ def write_results(store: JobStore, storage: Any, prefix: str, batch_id: str) -> 
     store.set_batch_manifest(batch_id, key)
     log.info("batch %s: manifest of %d jobs written to %s (%d not succeeded)", batch_id, len(manifest), key,
              len(errors))  # fmt: skip
-    notifier = getattr(store, "notifier", None)
     batch = book.get(batch_id)
     if notifier is not None and batch is not None and batch["webhook_url"]:
         notifier.batch_completed(batch["owner"], batch_id, batch["webhook_url"],

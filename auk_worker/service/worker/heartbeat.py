@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import redis
 

@@ -26,6 +26,7 @@ from auk_worker.errors import AuKError, ConfigError, InputError
 from auk_worker.rules import Knobs
 from auk_worker.service.connect.settings import Settings
 from auk_worker.types import HOP, RenderRequest, RenderResult
+from auk_worker.voice_cache import VoiceCache
 
 
 class InstantPipeline:
@@ -37,6 +38,8 @@ class InstantPipeline:
         self.deploy = deploy
         self.step_delay_s = step_delay_s
         self.model_hashes = {"dit": "instant", "vae": "instant"}
+        self.startup = {"load": 0.0, "warm_up": 0.0}  # seconds: nothing to load
+        self.voice_cache: VoiceCache | None = None  # nothing prepared to keep; set by the worker like the real one's
 
     @classmethod
     def from_env(

@@ -41,16 +41,18 @@ from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, worke
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
 from auk_worker.service.queues.fairshare import FairShare, Feeder
 from auk_worker.service.worker.heartbeat import Heartbeat
-from auk_worker.service.records.jobs import JobStore
-from auk_worker.service.delivery.notify import notifying_store
+from auk_worker.service.records.store import JobStore
+from auk_worker.service.delivery.notify import Notifier
+from auk_worker.service.delivery.webhooks.store import WebhookStore
 from auk_worker.service.connect.logs import configure_logging, set_identity
 from auk_worker.service.worker.metrics import WorkerMetrics
-from auk_worker.service.worker.recovery import Reaper, RecoveryStore
+from auk_worker.service.worker.recovery import Reaper
 from auk_worker.service.connect.redis import RedisFailedOver, ReplicationBarrier, redis_client
 from auk_worker.service.delivery.replies import ReplySender
 from auk_worker.service.connect.settings import VARIANTS, Settings, worker_id_or_none
 from auk_worker.service.connect.storage import Storage
-from auk_worker.service.worker.tasks import Pipeline, RenderRuntime, register
+from auk_worker.service.worker.runtime import Pipeline, RenderRuntime
+from auk_worker.service.worker.tasks import register
 from auk_worker.voice_cache import VoiceCache
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ def _reaper(settings: Settings, store: JobStore) -> Reaper:
     return Reaper(store, send)
 
 
-def _note_delivery(records: RecoveryStore, holder: str):
+def _note_delivery(records: JobStore, holder: str):
     """A ``task_received`` handler: the jobs of a message this worker received, before it starts them, are marked
     as delivered to it, so that the reaper can send them again if it dies first (``recovery.py``)."""
 
@@ -206,15 +208,14 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
 
     app = make_celery(settings)
     app.steps["consumer"].add(consumer_watch(heartbeat))
-    notifying = notifying_store(client, storage, settings.presign_seconds,  # ended jobs enqueue their webhooks
-                                retain_s=settings.retain_records_s)  # fmt: skip
+    records = JobStore(client, retain_s=settings.retain_records_s)
+    notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)  # ended jobs' webhooks (outcome.py)
     barrier = ReplicationBarrier.from_settings(client, settings) if settings.redis_wait_replicas else None
     voice_cache = VoiceCache(settings.voice_cache_bytes)
-    if hasattr(pipeline, "voice_cache"):  # the real pipeline keeps a voice's prepared pieces in the same cache
-        pipeline.voice_cache = voice_cache
-    runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, barrier=barrier,
+    pipeline.voice_cache = voice_cache  # the pipeline keeps a voice's prepared pieces in the same cache
+    runtime = RenderRuntime(settings, pipeline, records, storage, heartbeat, barrier=barrier,
                             holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
-                            voice_cache=voice_cache)  # fmt: skip
+                            notifier=notifier, voice_cache=voice_cache)  # fmt: skip
     _serve_metrics(runtime.metrics, settings, pipeline, client, heartbeat, worker_id)
     register(app, runtime)
     feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
@@ -225,7 +226,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
 
     signals.worker_ready.connect(on_ready, weak=False)
-    signals.task_received.connect(_note_delivery(RecoveryStore(store), heartbeat.holder), weak=False)
+    signals.task_received.connect(_note_delivery(store, heartbeat.holder), weak=False)
     if barrier is not None:
 
         def before_ack(task_id: str | None = None, args: tuple | None = None, **_: object) -> None:

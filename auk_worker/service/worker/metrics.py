@@ -63,8 +63,8 @@ class WorkerMetrics:
         self.job_seconds.observe(total_s)
 
     def loaded(self, pipeline: Any, worker: str, variant: str, kind: str) -> None:
-        """The pipeline's start-up times (``pipeline.startup``, when it has them) and this worker's identity."""
-        startup = getattr(pipeline, "startup", {}) or {}
+        """The pipeline's start-up times (``pipeline.startup``) and this worker's identity."""
+        startup = pipeline.startup
         self.model_load.set(float(startup.get("load", 0.0)))
         self.warmup.set(float(startup.get("warm_up", 0.0)))
         self.info.labels(worker, variant, kind).set(1)
