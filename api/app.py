@@ -1,7 +1,7 @@
 """The REST API: an app factory over one ``Settings``.
 
 ``create_app(settings)`` builds the FastAPI app over its clients (``api/deps.py``), its error mapping
-(``api/errors.py``), its routes (``api/routes/``), their OpenAPI document (``api/openapi.py``, ``api/models.py``)
+(``api/errors.py``), its routes (``api/routes/``), their OpenAPI document (``api/openapi.py``, ``api/responses.py``)
 and, in front of them, the request guard (``api/guard.py``: the key, the per-key quotas and the body limits,
 checked before any body is read). Nothing connects at import time; ``make_app()`` reads the environment and is
 what ``uvicorn --factory api.app:make_app`` (and ``python -m api``) serves; the module attribute ``app`` is the
@@ -23,9 +23,9 @@ from api.auth import KeyRing
 from api.deps import build_services, start_dispatcher
 from api.errors import install_error_handlers
 from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
-from api.links import LinkSigner
+from api.batch_page_links import LinkSigner
 from api.openapi import install_openapi, operation_id
-from api.routes import (audio, batch_manage, batch_page, batches, health, jobs, metrics, speech, uploads,
+from api.routes import (audio, batch_page, batches, health, jobs, metrics, speech, uploads,
                         voices, webhooks)
 from auk_worker.errors import InfraError
 from auk_worker.service.queues.fairshare import Feeder
@@ -77,7 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    routers = (uploads, jobs, audio, batch_manage, batches, batch_page, webhooks, speech, voices, health, metrics)
+    routers = (uploads, jobs, audio, batches, batch_page, webhooks, speech, voices, health, metrics)
     for routes in routers:
         app.include_router(routes.router)
     install_openapi(app)

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from api.models import ErrorBody
+from api.responses import ErrorBody
 from auk_worker import formats
 
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again", "required": True,

@@ -42,7 +42,8 @@ from auk_worker.service.records.workers import live_variants, read_heartbeats
 from auk_worker.service.records.jobs import JobRecord
 from api.quotas import check_queued_jobs
 from auk_worker.service.records.requests import JobRequest
-from auk_worker.service.connect.storage import error_code, input_object
+from auk_worker.service.connect.storage import error_code
+from auk_worker.service.records.objects import input_object
 
 log = logging.getLogger(__name__)
 

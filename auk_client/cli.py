@@ -2,7 +2,8 @@
 
 Built on the public client (``auk_client.Client``): ``AUK_API_URL`` (default http://127.0.0.1:8000) and the
 bearer key ``AUK_API_KEY``.
-``auk_worker.cli`` hands these four commands to ``main_client(command, argv)``.
+``auk_worker.cli`` (the ``auk`` entry point) hands these four commands to ``main_client(command, argv)``; ``auk page``
+and ``auk cancel`` are in ``cli_batches.py``.
 
     auk submit --instruction "Say hello." --gen-seconds 3          # one job; prints its record
     auk submit --audio ref.wav --instruction "..."                  # uploads the clip first
@@ -28,17 +29,26 @@ from typing import Any
 
 import httpx
 
-from auk_client import ApiError, Client
+from auk_client.client import ApiError, Client
+from auk_client.types import TERMINAL
 from auk_worker.formats import FORMATS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
-TERMINAL = ("succeeded", "failed", "canceled")
 
 
 class ClientError(Exception):
     """An answer the user should read (the API's own error message, or why the API was not reached)."""
+
+
+def api_address() -> tuple[str, str]:
+    """``(AUK_API_URL, AUK_API_KEY)``, what every client command talks to (the user's machine's environment, not
+    the service's settings); ``ClientError`` when no key is set."""
+    api_key = os.environ.get("AUK_API_KEY", "").strip()
+    if not api_key:
+        raise ClientError("AUK_API_KEY is not set: export the API key the service gave you")
+    return os.environ.get("AUK_API_URL", DEFAULT_API_URL), api_key
 
 
 class Api:
@@ -144,13 +154,23 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
     return 0
 
 
+def page_link(batch_id: str, expires_in: int | None = None) -> str:
+    """A signed link to the batch's listening page, on the API address this client uses."""
+    with Client(*api_address()) as client:
+        try:
+            return client.batch_link(batch_id, expires_in)
+        except ApiError as exc:
+            if exc.status == 404:
+                raise ClientError(f"no batch {batch_id!r} for this API key") from None
+            raise ClientError(str(exc)) from None
+
+
+
 def _announce_page(batch_id: str) -> None:
     """Print the batch's listening-page link (``auk page``), or why there is none; the batch is queued either way."""
-    from auk_client.cli_batches import CommandError, page_link
-
     try:
         print(f"listen: {page_link(batch_id)}", file=sys.stderr)
-    except CommandError as exc:
+    except ClientError as exc:
         print(f"no page link ({exc}); try `auk page {batch_id}` later", file=sys.stderr)
 
 
@@ -303,11 +323,11 @@ def main_client(command: str, argv: list[str]) -> int:
     if command not in COMMANDS:
         print(f"unknown command {command!r}: use submit, status, wait or fetch", file=sys.stderr)
         return 2
-    api_key = os.environ.get("AUK_API_KEY", "").strip()
-    if not api_key:
-        print("AUK_API_KEY is not set: export the API key the service gave you", file=sys.stderr)
+    try:
+        api = Api(*api_address())
+    except ClientError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    api = Api(os.environ.get("AUK_API_URL", DEFAULT_API_URL), api_key)
     try:
         return COMMANDS[command](api, argv)
     except ClientError as exc:

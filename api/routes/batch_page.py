@@ -1,6 +1,6 @@
 """``GET /batches/{id}``: the page to listen to a batch, and ``GET /batches/{id}/audio/{job id}``, its players' source.
 
-Both are reached with a signed link (``?exp=...&sig=...``, ``api/links.py``) that only the batch's owner can make;
+Both are reached with a signed link (``?exp=...&sig=...``, ``api/batch_page_links.py``) that only the batch's owner can make;
 the page may also be opened with the owner's bearer key, and then signs its own audio sources. The audio route
 streams the stored object through the API (same origin as the page, so players and scripts read it without
 cross-origin rules), passing a ``Range`` header on to storage so that players can seek.
@@ -17,9 +17,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from api.deps import Services, services
-from api.links import LinkSigner
+from api.batch_page_links import LinkSigner
 from api.openapi import AUDIO_CONTENT, documented
-from api.pages import render_page
+from api.batch_page_html import render_page
 from auk_worker.errors import InfraError, NotFound
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 

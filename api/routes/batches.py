@@ -7,14 +7,20 @@ are written in one transaction, then the jobs go to their variant's bulk queue: 
 compatible jobs (same schedule, similar lengths, at most the deploy config's stage 1 ``max_num_seqs`` each;
 ``auk_worker/service/queues/grouping.py``) that a worker renders in shared DiT passes, or one ``auk.render`` task a job
 when ``max_num_seqs`` is 1. When the batch's last job finishes, the worker writes a JSONL manifest next to the
-WAVs, with an error file of the lines that did not succeed; ``GET /v1/batches/{id}`` links both. Listing,
-cancelling and the listening page are in ``batch_manage.py`` and ``batch_page.py``.
+WAVs, with an error file of the lines that did not succeed; ``GET /v1/batches/{id}`` links both.
+
+``GET /v1/batches`` lists the key's batches, newest first; ``POST /v1/batches/{id}/cancel`` stops what has not ended
+(``BatchBook.cancel``: queued jobs end ``canceled``, running ones at their next step) and then stores the batch's
+results at once, since every job has ended: the manifest lists the canceled lines, the error file holds them, and
+the batch's webhook goes out. ``GET /v1/batches/{id}/link`` makes a signed link to the batch's listening page
+(``batch_page.py``). Another key's batch answers 404 like one that does not exist.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ValidationError
@@ -22,13 +28,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from api.auth import caller
+from api.batch_page_links import MAX_LINK_SECONDS, LinkSigner
 from api.deps import Services, services
-from api.batch_views import batch_record
 from api.errors import describe_validation_errors, json_failure, summarize, too_large
-from api.models import BatchCreated, BatchOut
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
+from api.responses import BatchCanceled, BatchCreated, BatchLink, BatchOut, BatchPage
 from api.submit import submit_batch
-from auk_worker.errors import InputError, MalformedBody, NotFound, UnsupportedMediaType
+from auk_worker.errors import Conflict, InputError, MalformedBody, NotFound, UnsupportedMediaType
+from auk_worker.service.records.batches import public_batch, write_results
 from auk_worker.service.records.requests import JobRequest
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,63 @@ _BATCH_BODY_DOC = {
         },
     }
 }
+
+
+def batch_record(svc: Services, batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch as the API shows it (read, listing, cancel): ``batches.public_batch`` plus its webhook's state."""
+    body = public_batch(batch, svc.storage, svc.settings.presign_seconds)
+    body["webhook"] = svc.notifier.view("batch", batch["id"], batch["webhook_url"])
+    return body
+
+
+@router.get("/batches", summary="List the caller's batches, newest first, with their counts",
+            **documented(BatchPage, 422))
+def list_batches(
+    owner: str = Depends(caller),
+    svc: Services = Depends(services),
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    cursor: str | None = None,
+) -> dict:
+    try:
+        batches, next_cursor = svc.batches.list(owner, limit=limit, cursor=cursor)
+    except ValueError as exc:
+        raise InputError(f"cursor: {exc}", code="invalid_request") from None
+    return {"data": [batch_record(svc, batch) for batch in batches], "next_cursor": next_cursor}
+
+
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch: its queued and running jobs end canceled",
+             **documented(BatchCanceled, 404, 409, 422))
+def cancel_batch(batch_id: str, owner: str = Depends(caller), svc: Services = Depends(services)) -> dict:
+    batch = svc.batches.owned(batch_id, owner)
+    if batch is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    if batch["done"] and batch["manifest_key"]:
+        raise Conflict(f"batch {batch_id!r} has ended ({batch['counts']['canceled']} canceled) and cannot be "
+                       "canceled", code="already_finished")  # fmt: skip
+    batch, canceled = svc.batches.cancel(batch_id, owner)
+    if batch["done"] and batch["manifest_key"] is None:  # also a retry after storage refused the first time
+        write_results(svc.store, svc.storage, svc.settings.s3_prefix, batch_id, notifier=svc.notifier)
+        batch = svc.batches.get(batch_id)
+    body = batch_record(svc, batch)
+    body["canceled_now"] = canceled
+    return body
+
+
+@router.get("/batches/{batch_id}/link", summary="A signed link to the batch's listening page",
+            **documented(BatchLink, 404, 422))
+def batch_link(
+    batch_id: str,
+    request: Request,
+    owner: str = Depends(caller),
+    svc: Services = Depends(services),
+    expires_in: Annotated[int | None, Query(ge=60, le=MAX_LINK_SECONDS)] = None,
+) -> dict:
+    if svc.batches.owned(batch_id, owner) is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    signer: LinkSigner = request.app.state.links
+    exp, sig = signer.sign(batch_id, expires_in)
+    path = f"/batches/{batch_id}?exp={exp}&sig={sig}"
+    return {"path": path, "url": str(request.base_url).rstrip("/") + path, "expires_at": exp}
 
 
 async def _read_body(request: Request) -> bytes:

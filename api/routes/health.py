@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from api.deps import Services, services
-from api.models import Alive, Readiness
+from api.responses import Alive, Readiness
 from api.openapi import documented
 from auk_worker.service.records.workers import SERVING_STATES, public_view, read_heartbeats
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import require_cancelable
-from api.models import JobOut, JobPage
+from api.responses import JobOut, JobPage
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.submit import submit_job
 from auk_worker.errors import Conflict, InputError, NotFound

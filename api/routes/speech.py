@@ -27,7 +27,7 @@ from api.auth import caller
 from api.deps import Services, services
 from api.errors import RETRY_AFTER_S, error_response
 from api.openapi import AUDIO_CONTENT, BODY_ERRORS, V1_ERRORS, errors
-from api.speech import SpeechRequest, resolve_clip, to_job
+from api.requests import SpeechRequest, resolve_clip, to_job
 from api.submit import enqueue_interactive
 from auk_worker import formats
 from auk_worker.errors import InputError

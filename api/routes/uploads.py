@@ -19,10 +19,10 @@ from fastapi import APIRouter, Depends, File, UploadFile
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import too_large
-from api.models import UploadOut
+from api.responses import UploadOut
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented
 from auk_worker.audio import decode_audio
-from auk_worker.service.connect.storage import upload_key
+from auk_worker.service.records.objects import upload_key
 from auk_worker.service.records.uploads import Upload
 
 log = logging.getLogger(__name__)

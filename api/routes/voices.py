@@ -19,13 +19,13 @@ from starlette.datastructures import UploadFile
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import too_large
-from api.models import VoiceDeleted, VoiceList, VoiceOut
+from api.responses import VoiceDeleted, VoiceList, VoiceOut
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.routes.uploads import _channels
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, NotFound, UnsupportedMediaType
 from auk_worker.service.records.jobs import utc_now
-from auk_worker.service.connect.storage import voice_key
+from auk_worker.service.records.objects import voice_key
 from auk_worker.service.records.voices import Voice, new_voice_id
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends
 
 from api.auth import caller
 from api.deps import Services, services
-from api.models import RotatedSecret, WebhookSecret
+from api.responses import RotatedSecret, WebhookSecret
 from api.openapi import V1_ERRORS, documented
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], responses=V1_ERRORS)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from api.links import LinkSigner
+from api.batch_page_links import LinkSigner
 from auk_worker.cli import main as auk
 from auk_worker.service.connect.settings import Settings
 from tests.service.batch_service import KEY_A, KEY_B, KEY_C, BatchService, batch_service

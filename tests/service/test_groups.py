@@ -22,7 +22,7 @@ from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, plan_groups
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
-from auk_worker.service.connect.storage import manifest_key, result_key
+from auk_worker.service.records.objects import manifest_key, result_key
 from bench.throughput import group_phases
 from tests.service.harness import REPO, ApiProcess, free_port
 from tests.service.test_worker import (

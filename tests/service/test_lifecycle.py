@@ -25,7 +25,8 @@ from auk_worker.service.worker.heartbeat import Heartbeat
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
-from auk_worker.service.connect.storage import Storage, result_key
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.records.objects import result_key
 from tests.service.conftest import BUCKET
 from tests.service.harness import (
     ApiProcess,

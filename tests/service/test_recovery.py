@@ -18,7 +18,7 @@ import pytest
 
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
-from auk_worker.service.connect.storage import result_key
+from auk_worker.service.records.objects import result_key
 from tests.service.harness import ApiProcess, WorkerProcess, free_port
 from tests.service.test_worker import submit, wait_for, wait_terminal, wavs
 

@@ -29,7 +29,8 @@ from auk_worker.service.records.store import JobStore
 from auk_dev.local_sentinel import RedisSentinelSet
 from auk_worker.service.connect.redis import redis_client
 from auk_worker.service.connect.settings import Settings
-from auk_worker.service.connect.storage import Storage, manifest_key, result_key
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.records.objects import manifest_key, result_key
 from tests.service.conftest import BUCKET
 from tests.service.harness import ApiProcess, S3Server, WorkerProcess, connection_env, free_port
 from tests.service.test_worker import wavs

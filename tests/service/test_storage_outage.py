@@ -15,7 +15,7 @@ import numpy as np
 
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
-from auk_worker.service.connect.storage import result_key, upload_key
+from auk_worker.service.records.objects import result_key, upload_key
 from auk_worker.formats import encode
 from tests.service.test_groups import BULK, create, send_group
 from tests.service.test_worker import broker_idle, expected_samples, make_record, read_wav, send, wait_for, wavs

@@ -24,7 +24,8 @@ from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.connect.settings import Settings
-from auk_worker.service.connect.storage import Storage, manifest_key, result_key
+from auk_worker.service.connect.storage import Storage
+from auk_worker.service.records.objects import manifest_key, result_key
 from auk_worker.types import HOP
 
 OWNER = "0123456789abcdef"

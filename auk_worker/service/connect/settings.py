@@ -186,7 +186,7 @@ class Settings:
     webhook_retry_base_s: float = 30.0  # AUK_WEBHOOK_RETRY_BASE: the first retry's longest delay; doubles
     webhook_retry_cap_s: float = 6 * 3600.0  # AUK_WEBHOOK_RETRY_CAP: the longest delay between two attempts
     webhook_max_attempts: int = 15  # AUK_WEBHOOK_MAX_ATTEMPTS
-    # The batch page's signed links (api/links.py): the HMAC key (default: derived from AUK_API_KEYS, so every API
+    # The batch page's signed links (api/batch_page_links.py): the HMAC key (default: derived from AUK_API_KEYS, so every API
     # replica verifies every link) and how long a link lives unless the caller asks for less or more (at most 7 d).
     link_secret: str | None = field(default=None, repr=False)  # AUK_LINK_SECRET
     link_seconds: int = 3600  # AUK_LINK_SECONDS

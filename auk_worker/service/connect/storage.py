@@ -5,18 +5,12 @@ that an unreachable store fails fast and the Celery task's own backoff decides w
 botocore or connection error leaves this module as ``InfraError`` with the cause; a missing object is
 ``InputError`` (the caller named a key that does not exist).
 
-Key layout under the settings' prefix: ``jobs/<job id>.<format extension>`` (``.wav``, ``.flac``, ``.mp3``,
-``.opus``, ``.pcm``), ``uploads/<upload id>``, ``voices/<voice id>``, ``clips/<owner>/<sha256>`` (a speech
-request's inline reference clip), ``jobs/batch-<batch id>.manifest.jsonl`` (the manifest sits next to the audio).
+The objects' keys are named in ``records/objects.py``.
 
 ``StorageWait`` is how a worker lives through an outage: a storage call that fails with ``InfraError`` is tried
 again, in the worker and with what it already holds (a rendered WAV stays in memory; nothing is rendered again),
 after a capped exponential backoff with jitter, until storage has refused for ``AUK_STORAGE_RETRY_DEADLINE``
 seconds without a success in between; then ``StorageUnavailable`` fails the job.
-
-Callers' ``audio.key`` names an object in the operator's input location only (``AUK_S3_INPUT_BUCKET`` +
-``AUK_S3_INPUT_PREFIX``, the key relative to the prefix), which settings keep apart from everything above: a key's
-uploads and results are never another key's input. Without an input location, ``audio.key`` is refused.
 """
 
 from __future__ import annotations
@@ -50,44 +44,9 @@ def _send_body_at_once(request: Any, **_: Any) -> None:
         del request.headers["Expect"]
 
 
-def _norm_prefix(prefix: str) -> str:
-    stripped = prefix.strip("/")
-    return f"{stripped}/" if stripped else ""
-
-
-def result_key(prefix: str, job_id: str, extension: str = "wav") -> str:
-    return f"{_norm_prefix(prefix)}jobs/{job_id}.{extension}"
-
-
-def voice_key(prefix: str, voice_id: str) -> str:
-    return f"{_norm_prefix(prefix)}voices/{voice_id}"
-
-
-def clip_key(prefix: str, owner: str, sha256: str) -> str:
-    """Content-addressed per owner: the same clip sent again overwrites the same object."""
-    return f"{_norm_prefix(prefix)}clips/{owner}/{sha256}"
-
-
-def upload_key(prefix: str, upload_id: str) -> str:
-    return f"{_norm_prefix(prefix)}uploads/{upload_id}"
-
-
-def manifest_key(prefix: str, batch_id: str) -> str:
-    return f"{_norm_prefix(prefix)}jobs/batch-{batch_id}.manifest.jsonl"
-
-
 def error_code(exc: ClientError) -> str:
     """The S3 error code of a botocore ClientError ("404", "NoSuchKey", ...), empty when it has none."""
     return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def input_object(settings: Settings, key: str) -> tuple[str, str]:
-    """``(bucket, object key)`` that a request's ``audio.key`` names: the key under the input prefix, in the input
-    bucket. ``InputError`` (``audio_key_disabled``) when the operator has named no input location."""
-    if settings.s3_input_bucket is None:
-        raise InputError("audio.key is not enabled on this service (no input location is configured): upload the "
-                         "clip with POST /v1/uploads and send audio.upload_id", code="audio_key_disabled")  # fmt: skip
-    return settings.s3_input_bucket, f"{settings.s3_input_prefix}{key}"
 
 
 class Storage:

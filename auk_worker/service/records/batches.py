@@ -27,14 +27,9 @@ from typing import Any
 
 from auk_worker.service.records.jobs import JobStatus, TERMINAL, batch_from_hash, utc_now
 from auk_worker.service.records.store import JobStore
-from auk_worker.service.connect.storage import manifest_key
+from auk_worker.service.records.objects import error_file_key, manifest_key
 
 log = logging.getLogger(__name__)
-
-
-def error_file_key(prefix: str, batch_id: str) -> str:
-    """The error file's key: beside the manifest (``jobs/batch-<id>.errors.jsonl``)."""
-    return manifest_key(prefix, batch_id).replace(".manifest.jsonl", ".errors.jsonl")
 
 
 def _ms(stamp: str) -> int:

@@ -16,7 +16,8 @@ from urllib.parse import quote
 from auk_worker import formats, rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import Canceled
-from auk_worker.service.connect.storage import StorageWait, input_object, result_key, upload_key
+from auk_worker.service.connect.storage import StorageWait
+from auk_worker.service.records.objects import input_object, result_key, upload_key
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.worker import outcome

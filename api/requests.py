@@ -1,5 +1,6 @@
-"""The speech request: OpenAI's ``POST /v1/audio/speech`` body, vLLM-Omni's AuK fields, and this service's extras,
-turned into a ``JobRequest`` and its resolved clip.
+"""The API's own request body: the speech request, OpenAI's ``POST /v1/audio/speech`` body, vLLM-Omni's AuK fields
+and this service's extras, turned into a ``JobRequest`` (the job's shape shared with the worker,
+``auk_worker/service/records/requests.py``) and its resolved clip. The answers' shapes are in ``responses.py``.
 
 Fields, by origin:
 
@@ -42,7 +43,7 @@ from auk_worker import formats, rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, TooLarge
 from auk_worker.service.records.requests import AudioRef, JobRequest
-from auk_worker.service.connect.storage import clip_key
+from auk_worker.service.records.objects import clip_key
 from auk_worker.types import SAMPLE_RATE
 from auk_worker.urlguard import UrlGuard, UrlPolicy, pinned_request
 
