@@ -8,8 +8,8 @@ API and one worker with ``AUK_PIPELINE=instant`` (silence of the right length, n
 - S3: requests by method and bytes each way, as seen on the wire by the proxy (every process's boto3 calls);
 - API: bytes each way on the client's side.
 
-These are the figures the README's scaling section sizes Redis, S3 and the network with. The worker's Celery
-messages are part of the Redis figures. It writes ``bench/results/footprint-<date>.json``.
+docs/deployment.md's scaling section sizes Redis, S3 and the network from these figures (kept in bench/RESULTS.md).
+The worker's Celery messages are part of the Redis figures. It writes ``bench/results/footprint-<date>.json``.
 """
 
 from __future__ import annotations
