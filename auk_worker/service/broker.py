@@ -88,6 +88,13 @@ class SentinelTransport(kombu_redis.SentinelTransport):
 TRANSPORTS = {"redis": Transport, "rediss": Transport, "sentinel": SentinelTransport}
 
 
+def transport_path(url: str) -> str:
+    """The transport class for ``url``'s scheme as Celery's ``broker_transport`` names it. ``Celery(amqp=...)``
+    reaches the connections Celery makes itself, not the producer pool's (``kombu.connection.PooledConnection``);
+    a transport named in the configuration reaches every connection, so publishers ring the wake lists too."""
+    return f"{__name__}:{TRANSPORTS[url.split('://', 1)[0]].__name__}"
+
+
 class BrokerConnection(Connection):
     """A kombu connection with the transports above and a capped reconnection back-off."""
 
