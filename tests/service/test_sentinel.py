@@ -228,7 +228,7 @@ def test_master_killed_while_groups_record_their_ends_fails_no_job(ha: HaService
     takes over has no replica of its own, so every ``WAIT`` after the failover falls short and each barrier reads
     its marker back. With one marker key per process the threads overwrote each other's markers, the barrier took
     the new master for a stale one and closed the connection pool under the other threads: jobs failed
-    ``internal``. Every job must succeed, once."""
+    ``internal``. Every job must succeed, and no barrier may take the new master for a stale one."""
     store = JobStore(ha.redis)
     batch_id, ids = submit_batch(ha, GROUPED_JOBS)
 
@@ -237,23 +237,26 @@ def test_master_killed_while_groups_record_their_ends_fails_no_job(ha: HaService
 
     wait_until("a quarter of the batch succeeded", lambda: succeeded() >= GROUPED_JOBS // 4, 120, ha)
     old = ha.sentinels.master()
-    at = succeeded()
+    at, killed = succeeded(), time.monotonic()
     old.kill()
     new = ha.sentinels.wait_new_master(old, timeout=60)
     with new.client() as direct:
         assert direct.execute_command("ROLE")[2] == []  # no replica after the failover
     wait_until("every job ended", lambda: all(r is not None and r.status in TERMINAL for r in store.get_many(ids)),
                180, ha)  # fmt: skip
+    after_kill_s = time.monotonic() - killed
     current = records(ha, ids)
     failed = {i: r.error for i, r in current.items() if r.status != JobStatus.SUCCEEDED}
     worker_log = ha.worker.log_tail(2_000_000)
-    report = {"jobs": len(ids), "succeeded_at_kill": at, "failed": len(failed),
+    report = {"jobs": len(ids), "succeeded_at_kill": at, "failed": len(failed), "rest_s": round(after_kill_s, 1),
               "attempts_max": max(r.attempts for r in current.values()),
               "failed_over_logged": worker_log.count("written to a Redis master that was failed over"),
               "attribute_errors_logged": worker_log.count("AttributeError")}  # fmt: skip
     print(f"\nmaster killed during grouped batch: {json.dumps(report)}")
     assert not failed, (report, list(failed.items())[:5])
-    assert report["attribute_errors_logged"] == 0, report
+    # The old master is dead: no write can have gone to it after the failover, so any "failed over" conclusion is
+    # a false one (128 of them in this run with one marker key per process, and the batch took three times longer).
+    assert report["failed_over_logged"] == report["attribute_errors_logged"] == 0, report
     assert sorted(wavs(ha.storage, ha.settings)) == sorted(result_key(ha.settings.s3_prefix, i) for i in ids)
     manifest = ha.storage.get_bytes(ha.storage.bucket, manifest_key(ha.settings.s3_prefix, batch_id)).decode()
     assert sorted(json.loads(line)["custom_id"] for line in manifest.splitlines()) == sorted(
