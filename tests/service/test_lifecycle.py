@@ -17,11 +17,11 @@ import redis
 from kombu import Connection, Consumer, Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
-from auk_worker.service.queues.broker import BrokerConnection, ReleasingQoS
+from auk_worker.service.queues.broker import BrokerConnection, FetchingQoS
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
-from auk_worker.service.records.workers import public_view
 from auk_worker.service.worker.heartbeat import Heartbeat
+from auk_worker.service.records.workers import public_view
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
@@ -158,7 +158,7 @@ def test_a_wedged_consumer_is_not_ready_within_15_s_then_exits_and_its_restart_c
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
         "import auk_worker.service.queues.broker as b\n"
-        "class Wedged(b.ReleasingQoS):\n"
+        "class Wedged(b.FetchingQoS):\n"
         "    def ack(self, delivery_tag):\n"
         "        super().ack(delivery_tag)\n"
         "        self.can_consume = lambda: False\n"
@@ -221,11 +221,12 @@ def _one_delivery(conn: Connection, queue: Queue):
 
 def test_an_ack_that_cannot_reach_redis_frees_the_prefetch_slot(tmp_path) -> None:
     """Kombu's own Redis QoS keeps a delivery whose ack failed, so a prefetch-1 consumer never asks for another
-    message (the stall of issue 32); ``ReleasingQoS`` frees the slot and the error still reaches the caller."""
+    message (the stall of issue 32); ``ReleasingQoS`` (the service's ``FetchingQoS`` builds on it) frees the slot
+    and the error still reaches the caller."""
     queue = Queue("lifecycle-qos", Exchange("lifecycle-qos", type="direct"), routing_key="lifecycle-qos")
     server = RedisServer(tmp_path / "redis").start()
     try:
-        for connection_cls, qos_cls in ((Connection, kombu_redis.QoS), (BrokerConnection, ReleasingQoS)):
+        for connection_cls, qos_cls in ((Connection, kombu_redis.QoS), (BrokerConnection, FetchingQoS)):
             with connection_cls(server.url) as conn:
                 message, qos = _one_delivery(conn, queue)
                 assert type(qos) is qos_cls and not qos.can_consume()
@@ -233,7 +234,7 @@ def test_an_ack_that_cannot_reach_redis_frees_the_prefetch_slot(tmp_path) -> Non
                 try:
                     with pytest.raises(redis.ConnectionError):
                         message.ack()
-                    assert qos.can_consume() is (qos_cls is ReleasingQoS)
+                    assert qos.can_consume() is (qos_cls is FetchingQoS)
                     message.ack_log_error(kombu_redis.logger, conn.connection_errors)  # what Celery calls: logs
                 finally:
                     server.start()

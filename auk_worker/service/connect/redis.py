@@ -20,6 +20,7 @@ then drops them. ``ReplicationBarrier`` guards the writes that matter against bo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -136,7 +137,7 @@ class ReplicationBarrier:
         self.client = client
         self.replicas = replicas
         self.timeout_ms = max(1, int(timeout_s * 1000))
-        self.marker_key = f"auk:replication:barrier:{uuid.uuid4().hex}"  # one per process
+        self.marker_prefix = f"auk:replication:barrier:{uuid.uuid4().hex}"  # one per process; a key per thread
         self._connected = replicas  # replicas the master listed at the previous barrier
         self._replicas: list[tuple[str, int]] = []  # their addresses, from the last ROLE that listed any
         self._warned_at = -float("inf")
@@ -151,9 +152,9 @@ class ReplicationBarrier:
         if self.replicas == 0:
             return None
         want = min(self.replicas, self._connected)
-        marker = uuid.uuid4().hex
+        marker, key = uuid.uuid4().hex, self.marker_key()
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.marker_key, marker, px=60_000)
+        pipe.set(key, marker, px=60_000)
         pipe.execute_command("WAIT", want, self.timeout_ms)
         pipe.execute_command("ROLE")
         _, confirmed, role = pipe.execute()
@@ -163,9 +164,9 @@ class ReplicationBarrier:
                 self._replicas = [(host, int(port)) for host, port, *_ in role[2]]
         if confirmed >= self.replicas:
             return int(confirmed)
-        if not self._on_current_master(marker):
+        if not self._on_current_master(key, marker):
             log.error("%s: written to a Redis master that was failed over; reconnecting through the sentinels", what)
-            self.client.connection_pool.disconnect()
+            self._reconnect()
             raise RedisFailedOver(f"Redis failed over while {what} was written; it may be lost, try again (with the "
                                   "same Idempotency-Key)")  # fmt: skip
         now = time.monotonic()
@@ -175,14 +176,30 @@ class ReplicationBarrier:
                         "up", what, confirmed, self.replicas, self._connected)  # fmt: skip
         return int(confirmed)
 
-    def _on_current_master(self, marker: str) -> bool:
+    def marker_key(self) -> str:
+        """This thread's marker key. A group records its jobs' ends from several threads at once: with one key per
+        process, another thread's marker overwrote this one's between its write and its read-back, and the barrier
+        took the current master for a stale one."""
+        return f"{self.marker_prefix}:{threading.get_ident()}"
+
+    def _reconnect(self) -> None:
+        """The next commands go to the master the sentinels name. Only idle connections are closed here: closing
+        the pool's connections in use (``disconnect()``) broke the commands other threads had in flight (redis-py
+        raised ``AttributeError: 'NoneType' object has no attribute 'readline'``); the Sentinel pool drops those
+        when they are released, since they no longer point at its master (``owns_connection``)."""
+        pool = self.client.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            pool.get_master_address()  # refreshes the pool's master; closes its idle connections if it changed
+        pool.disconnect(inuse_connections=False)
+
+    def _on_current_master(self, key: str, marker: str) -> bool:
         """Whether ``marker`` is on the master the sentinels name now and on any former replica that has become a
         master (promoted, before the sentinels announce it). Always true without Sentinel."""
         pool = self.client.connection_pool
         if not isinstance(pool, SentinelConnectionPool):
             return True
         masters = {pool.sentinel_manager.discover_master(pool.service_name), *self._promoted_replicas(pool)}
-        return all(self._read(pool, address) == marker for address in masters)
+        return all(self._read(pool, address, key) == marker for address in masters)
 
     def _promoted_replicas(self, pool: SentinelConnectionPool) -> list[tuple[str, int]]:
         promoted = []
@@ -195,9 +212,9 @@ class ReplicationBarrier:
                 continue
         return promoted
 
-    def _read(self, pool: SentinelConnectionPool, address: tuple[str, int]) -> str | None:
+    def _read(self, pool: SentinelConnectionPool, address: tuple[str, int], key: str) -> str | None:
         with self._direct(pool, address) as current:
-            return current.get(self.marker_key)
+            return current.get(key)
 
     @staticmethod
     def _direct(pool: SentinelConnectionPool, address: tuple[str, int]) -> redis.Redis:

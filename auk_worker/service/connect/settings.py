@@ -175,6 +175,9 @@ class Settings:
     presign_seconds: int = 3600
     max_upload_bytes: int = 50 * 1024 * 1024
     max_kills: int = 3
+    # AUK_FAULT_KILL_AFTER_FETCH: a test knob of the fault suite, 0 (off) in every deployment: a worker SIGKILLs
+    # itself right after its N-th broker fetch returns a message (fetch.py).
+    fault_kill_after_fetch: int = 0
     pipeline: str = "auk"
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
     retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
@@ -254,6 +257,7 @@ class Settings:
             presign_seconds=_int(env, "AUK_PRESIGN_SECONDS", 3600, minimum=1),
             max_upload_bytes=_int(env, "AUK_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1),
             max_kills=_int(env, "AUK_MAX_KILLS", 3, minimum=1),
+            fault_kill_after_fetch=_int(env, "AUK_FAULT_KILL_AFTER_FETCH", 0, minimum=0),
             pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),
             retry_max=_int(env, "AUK_RETRY_MAX", 6, minimum=0),
             retry_backoff_s=_positive(env, "AUK_RETRY_BACKOFF", 1.0),

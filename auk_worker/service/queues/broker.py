@@ -24,7 +24,11 @@ record that ended (acknowledged without work) or a job the reaper already sent a
 worker could find a Redis that came back 30 s late. ``BrokerConnection`` caps the interval, so a worker consumes
 again within a couple of seconds of Redis answering.
 
-``make_celery`` installs both through Celery's own extension points: ``Celery(amqp=BrokerAMQP)`` makes every
+**The fetch is atomic** (``fetch.py``): a message leaves its queue and enters the worker's unacknowledged set in
+one Lua script, instead of kombu's ``BRPOP`` followed by a separate write, so no kill loses a message; a dead
+worker's fetched messages go back to their queue within a reaper pass.
+
+``make_celery`` installs these through Celery's own extension points: ``Celery(amqp=BrokerAMQP)`` makes every
 broker connection a ``BrokerConnection``, which hands out these transport classes for the ``redis``, ``rediss``
 and ``sentinel`` schemes (the URL, and a failover's ``switch``, still name the scheme).
 """
@@ -35,6 +39,8 @@ from celery.app.amqp import AMQP
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+
+from auk_worker.service.queues import fetch
 
 RECONNECT_MAX_S = 2.0  # longest wait between two attempts to reach a broker that went away
 
@@ -57,16 +63,22 @@ class ReleasingQoS(kombu_redis.QoS):
             raise
 
 
-class Channel(kombu_redis.Channel):
-    QoS = ReleasingQoS
+class FetchingQoS(fetch.FetchingQoS, ReleasingQoS):
+    pass
+
+
+class Channel(fetch.FetchingChannel, kombu_redis.Channel):
+    QoS = FetchingQoS
+    from_transport_options = kombu_redis.Channel.from_transport_options + fetch.OPTIONS
 
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
-class SentinelChannel(kombu_redis.SentinelChannel):
-    QoS = ReleasingQoS
+class SentinelChannel(fetch.FetchingChannel, kombu_redis.SentinelChannel):
+    QoS = FetchingQoS
+    from_transport_options = kombu_redis.SentinelChannel.from_transport_options + fetch.OPTIONS
 
 
 class SentinelTransport(kombu_redis.SentinelTransport):
@@ -74,6 +86,13 @@ class SentinelTransport(kombu_redis.SentinelTransport):
 
 
 TRANSPORTS = {"redis": Transport, "rediss": Transport, "sentinel": SentinelTransport}
+
+
+def transport_path(url: str) -> str:
+    """The transport class for ``url``'s scheme as Celery's ``broker_transport`` names it. ``Celery(amqp=...)``
+    reaches the connections Celery makes itself, not the producer pool's (``kombu.connection.PooledConnection``);
+    a transport named in the configuration reaches every connection, so publishers ring the wake lists too."""
+    return f"{__name__}:{TRANSPORTS[url.split('://', 1)[0]].__name__}"
 
 
 class BrokerConnection(Connection):

@@ -14,8 +14,9 @@ Reliability settings, each for a reason:
   before ``bulk``.
 - No result backend: the job record in Redis is the result (one backend less to connect to, and ``send_task``
   builds no result to track).
-- ``amqp=BrokerAMQP`` (``broker.py``): every broker connection frees its prefetch slot when an acknowledgement
-  cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again soon after Redis returns.
+- ``amqp=BrokerAMQP`` and ``broker_transport`` (``broker.py``): every broker connection frees its prefetch slot
+  when an acknowledgement cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again
+  soon after Redis returns; a worker fetches atomically and every publisher wakes idle workers (``fetch.py``).
 - A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
   there the jobs whose worker died, so they run again next rather than behind the whole queue.
 - Remote control and task events on: ``celery -A auk_worker.service.queues.celery_app inspect ping`` is answered by an
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from auk_worker.service.queues.broker import BrokerAMQP
+from auk_worker.service.queues.broker import BrokerAMQP, transport_path
 from auk_worker.service.connect.redis import broker_pool_limit, broker_transport_options, broker_url
 from auk_worker.service.connect.settings import Settings
 
@@ -54,8 +55,10 @@ def restore_interval(visibility_timeout: int) -> int:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("auk", broker=broker_url(settings), amqp=BrokerAMQP, set_as_current=False)
+    url = broker_url(settings)
+    app = Celery("auk", broker=url, amqp=BrokerAMQP, set_as_current=False)
     app.conf.update(
+        broker_transport=transport_path(url),  # every connection, the producer pool's too (broker.py)
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

@@ -207,6 +207,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         log.warning("worker %s: storage not reachable at start (%s); jobs will retry", worker_id, exc)
 
     app = make_celery(settings)
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "fetch_holder": heartbeat.holder,
+                                         "fault_kill_after_fetch": settings.fault_kill_after_fetch}  # fetch.py
     app.steps["consumer"].add(consumer_watch(heartbeat))
     records = JobStore(client, retain_s=settings.retain_records_s)
     notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)  # ended jobs' webhooks (outcome.py)

@@ -25,8 +25,9 @@ for the earlier ones' starts): the record is still ``queued`` and its only messa
 for the visibility timeout. So a worker notes each message it receives on the records (``task_received`` signal,
 ``JobStore.mark_delivered``: ``delivered`` = its holder, set ``auk:delivered``), and the reaper sends again a queued
 job whose receiver is dead (never one whose receiver is alive: it may be holding the message for a retry's
-countdown). No kill is counted: the job never ran. What remains is kombu's own window between ``BRPOP`` and its
-write to ``unacked``, where a kill loses the message itself; the record then stays ``queued``.
+countdown). No kill is counted: the job never ran. A worker killed right after its fetch leaves the message in its
+own unacknowledged set (``queues/fetch.py``: the fetch is atomic); each reaper pass first puts the messages of dead
+holders back at the front of their queues (``restore_dead_holders``).
 
 What keeps a job from running twice at once, or storing two WAVs:
 
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 import redis
 
 from auk_worker.service.queues.celery_app import RECOVERY, queue_name
+from auk_worker.service.queues.fetch import restore_dead_holders
 from auk_worker.service.records import scripts
 from auk_worker.service.records.jobs import Orphan
 from auk_worker.service.records.store import JobStore
@@ -91,6 +93,8 @@ class Reaper:
         if not self.store.redis.set(self.lock_key, self.token, nx=True, px=LOCK_TTL_MS):
             return []
         try:
+            for holder, tag, queue in restore_dead_holders(self.store.redis, self.store.ns):
+                log.warning("message %s: its fetcher %s died; back at the front of %s", tag, holder, queue)
             return [self._recover(orphan) for orphan in self.store.orphans()]
         finally:
             try:
