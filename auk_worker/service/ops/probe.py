@@ -20,7 +20,6 @@ Two questions, one per flag:
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
@@ -102,12 +101,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    worker_id = args.worker_id or os.environ.get("AUK_WORKER_ID", "").strip() or None
     try:
         settings = Settings.from_env()
     except ConfigError as exc:
         print(f"configuration error: {exc}")
         return 1
+    worker_id = args.worker_id or settings.worker_id
     verdict = probe(worker_id, settings, args.max_age, args.live)
     print(verdict.reason)
     return 0 if verdict.ok else 1
