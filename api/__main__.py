@@ -27,7 +27,8 @@ def main() -> int:
     # Idle keep-alive connections close after AUK_API_KEEP_ALIVE s; a request head must be complete within
     # AUK_API_BODY_TIMEOUT s and at most 64 KiB; a stalled body is cut by the request guard. log_config=None:
     # uvicorn's own lines (access log included) go through the root logger's format.
-    uvicorn.run(app, host=settings.api_host, port=settings.api_port, proxy_headers=False, timeout_keep_alive=settings.keep_alive_s,
+    uvicorn.run(app, host=settings.api_host, port=settings.api_port, proxy_headers=False,
+                timeout_keep_alive=settings.keep_alive_s,
                 h11_max_incomplete_event_size=MAX_HEAD_BYTES, http=with_head_timeout(settings.body_timeout_s),
                 log_config=None)
     return 0

@@ -207,19 +207,21 @@ class Settings:
     pipeline: str = "auk"
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
     retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
-    # Webhooks (delivery/webhooks/, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher threads
-    # the API runs (0: none, run `python -m auk_worker.service.delivery.webhooks` instead); its timeout and retry schedule.
+    # Webhooks (delivery/webhooks/, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher
+    # threads the API runs (0: none, run `python -m auk_worker.service.delivery.webhooks` instead); its timeout and
+    # retry schedule.
     webhook_allow: str = ""  # AUK_WEBHOOK_ALLOW, e.g. "127.0.0.1,hooks.internal,10.1.0.0/16"
     webhook_threads: int = 2  # AUK_WEBHOOK_THREADS
     webhook_timeout_s: float = 10.0  # AUK_WEBHOOK_TIMEOUT
     webhook_retry_base_s: float = 30.0  # AUK_WEBHOOK_RETRY_BASE: the first retry's longest delay; doubles
     webhook_retry_cap_s: float = 6 * 3600.0  # AUK_WEBHOOK_RETRY_CAP: the longest delay between two attempts
     webhook_max_attempts: int = 15  # AUK_WEBHOOK_MAX_ATTEMPTS
-    # The batch page's signed links (api/batch_page_links.py): the HMAC key (default: derived from AUK_API_KEYS, so every API
-    # replica verifies every link) and how long a link lives unless the caller asks for less or more (at most 7 d).
+    # The batch page's signed links (api/batch_page_links.py): the HMAC key (default: derived from AUK_API_KEYS, so
+    # every API replica verifies every link) and how long a link lives unless the caller asks for less or more (at most
+    # 7 d).
     link_secret: str | None = field(default=None, repr=False)  # AUK_LINK_SECRET
     link_seconds: int = 3600  # AUK_LINK_SECONDS
-    worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
+    worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker/main.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
     cache_dir: Path | None = None  # AUK_CACHE_DIR: torch's and Triton's compile caches, shared across starts
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
