@@ -29,9 +29,10 @@ from api.routes import (audio, batch_page, batches, health, jobs, metrics, speec
                         voices, webhooks)
 from auk_worker.errors import InfraError
 from auk_worker.service.queues.fairshare import Feeder
-from api.quotas import RateLimiter, async_redis_client
+from api.quotas import RateLimiter
 from auk_worker.service.ops import retention
 from api.metrics import ApiMetrics, RequestMetricsMiddleware
+from auk_worker.service.connect.redis import async_redis_client
 from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ def create_app(settings: Settings) -> FastAPI:
     settings.require_api_keys()
     settings.require_storage()
     built = build_services(settings)
-    rate_client = async_redis_client(settings, RATE_TIMEOUT_S)
+    # a short timeout: a rate check is not worth a long wait
+    rate_client = async_redis_client(settings, socket_timeout=RATE_TIMEOUT_S, socket_connect_timeout=RATE_TIMEOUT_S)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

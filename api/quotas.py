@@ -18,30 +18,15 @@ import logging
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
 from auk_worker.errors import TooManyRequests
 from auk_worker.service.records import scripts
 from auk_worker.service.records.jobs import JobStatus
 from auk_worker.service.records.store import JobStore
-from auk_worker.service.connect.redis_url import is_sentinel, parse_sentinel_url
-from auk_worker.service.connect.settings import Settings
 
 log = logging.getLogger(__name__)
 
 QUEUED_RETRY_AFTER_S = 30  # a key over its queued-jobs quota waits for some of them to finish
-
-
-def async_redis_client(settings: Settings, timeout_s: float) -> aioredis.Redis:
-    """An asyncio client for the rate buckets: the same Redis as ``redis_client.redis_client`` (one server or the
-    Sentinel-managed master), with a short timeout (a rate check is not worth a long wait)."""
-    options = {"decode_responses": True, "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    if not is_sentinel(settings.redis_url):
-        return aioredis.Redis.from_url(settings.redis_url, **options)
-    address = parse_sentinel_url(settings.redis_url)
-    sentinel = AsyncSentinel(list(address.sentinels), socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    return sentinel.master_for(settings.redis_sentinel_master, db=address.db, password=address.password,
-                               username=address.username, **options)  # fmt: skip
 
 
 class RateLimiter:

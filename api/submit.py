@@ -1,4 +1,5 @@
-"""The one submit path: every route that creates jobs (``POST /v1/jobs``, ``POST /v1/batches``) goes through here.
+"""The one submit path: every route that creates jobs (``POST /v1/jobs``, ``POST /v1/batches``,
+``POST /v1/audio/speech``) goes through here; ``submit_job`` says what the speech endpoint hands in differently.
 
 In order, and nothing written until all of it holds: the body has passed ``JobRequest`` (bounds from ``rules.py``);
 the clip is resolved (an upload of this key, or an object in the operator's input location that decodes); the length rule is
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -48,6 +50,8 @@ from auk_worker.service.records.objects import input_object
 log = logging.getLogger(__name__)
 
 MAX_REPORTED_LINES = 100  # a 10 000-line file of bad lines answers with the first hundred
+
+ClipSource = Callable[[JobRequest], "dict[str, Any] | None"]  # a request -> its resolved clip (ClipResolver.resolve)
 
 
 class ClipResolver:
@@ -165,16 +169,31 @@ def require_worker_for(svc: Services, variants: set[str]) -> None:
 # ---------------------------------------------------------------------------------------------------- one job
 
 
-def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
+def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None, *,
+               clip_source: ClipSource | None = None, reply: bool = False) -> tuple[JobRecord, bool]:
     """Check, write and send one job: ``(record, True)``; or ``(the earlier job, False)`` when this key already made
     one for this same request (a different request under a used key is refused). Either way the record is on the
-    current Redis master (and its replicas) before the caller hears of it."""
-    record, created = _submit_job(svc, owner, request, idempotency_key)
+    current Redis master (and its replicas) before the caller hears of it.
+
+    ``POST /v1/jobs`` and ``POST /v1/audio/speech`` both come here, through the same checks (webhook URL, a worker
+    for the variant, the key's queued-jobs quota), the same record write and send, and the same replication
+    barrier. The speech endpoint differs in what it hands in, and only there:
+
+    - ``clip_source``: how the clip is found. By default an upload, a voice or an input key (``ClipResolver``); the
+      speech endpoint's may also decode and store an inline ``ref_audio`` (``api/requests.py: resolve_clip``).
+    - ``reply``: the worker pushes the encoded audio to ``auk:reply:{id}`` before it stores it, for the waiting
+      speech request (``delivery/replies.py``).
+    - ``idempotency_key``: None from the speech endpoint. OpenAI's speech request has no Idempotency-Key: its answer
+      is the audio itself, so a retried request has no job id to find and renders again.
+    """
+    record, created = _submit_job(svc, owner, request, idempotency_key, clip_source or ClipResolver(svc, owner).resolve,
+                                  reply)  # fmt: skip
     svc.barrier.wait(f"job {record.id}")
     return record, created
 
 
-def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
+def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None,
+                clip_source: ClipSource, reply: bool) -> tuple[JobRecord, bool]:  # fmt: skip
     if idempotency_key is not None:
         existing = svc.store.by_idempotency_key(owner, idempotency_key)
         if existing is not None:
@@ -182,30 +201,17 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
     check_webhook_url(svc, request.webhook_url)
     require_worker_for(svc, {request.variant})
     check_queued_jobs(svc.store, owner, 1, svc.settings.quota_queued_jobs)
-    prepared = prepare(request, ClipResolver(svc, owner))
+    prepared = record_request(request, clip_source(request))
+    if reply:
+        prepared["reply"] = True
     queue = queue_name(request.variant, request.priority)
     record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
     record, created = svc.store.create(record, idempotency_key=idempotency_key)
     if not created:  # another request with the same key got there first
         return _same_request(record, request, idempotency_key), False
     send_render(svc, record)
-    log.info("job %s: queued on %s for owner %s", record.id, record.queue, owner)
+    log.info("job %s: queued on %s for owner %s%s", record.id, record.queue, owner, " (reply)" if reply else "")
     return record, True
-
-
-def enqueue_interactive(svc: Services, owner: str, request: JobRequest, clip: dict[str, Any] | None, *,
-                        reply: bool = False) -> JobRecord:
-    """Write and send one job whose clip is already resolved (the speech endpoint's path). ``reply``: the worker
-    pushes the encoded audio to ``auk:reply:{id}`` before it stores it (``service/replies.py``)."""
-    require_worker_for(svc, {request.variant})
-    prepared = record_request(request, clip)
-    if reply:
-        prepared["reply"] = True
-    record = JobRecord.new(owner, prepared, queue=queue_name(request.variant, "interactive"), custom_id=request.custom_id)
-    record, _ = svc.store.create(record)
-    send_render(svc, record)
-    log.info("job %s: queued on %s for owner %s (reply %s)", record.id, record.queue, owner, reply)
-    return record
 
 
 def _same_request(existing: JobRecord, request: JobRequest, idempotency_key: str | None) -> JobRecord:

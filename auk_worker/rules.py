@@ -1,8 +1,9 @@
 """Every request limit in one torch-free home: its bound, its error text, and how a request's knobs resolve.
 
-The API's request models (``service/schema.py``) take their bounds from here and its submit path (``api/submit.py``)
-applies the length rule to the resolved clip; the worker (``service/worker/steps.py``), the pipeline (``AuKPipeline.schedule``
-and ``target_frames``), the model-free pipeline (``service/instant.py``) and bulk grouping call the same functions.
+The API's request models (``service/records/requests.py``) take their bounds from here and its submit path
+(``api/submit.py``) applies the length rule to the resolved clip; the worker (``service/worker/steps.py``), the pipeline
+(``AuKPipeline.schedule`` and ``target_frames``), the model-free pipeline (``service/worker/instant.py``) and bulk
+grouping call the same functions.
 So the API accepts exactly what the worker renders.
 
 Defaults are not here: the deploy config states them (stage 1's ``default_sampling_params``, ``deploy.py``) and

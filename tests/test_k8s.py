@@ -39,13 +39,9 @@ KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
 K8S_VERSIONS = ("1.27", kubernetes_validate.latest_version())
 
 SECRET_SETTINGS = ("AUK_API_KEYS", "AUK_S3_ACCESS_KEY", "AUK_S3_SECRET_KEY")
-# AUK_* variables that the processes of these pods read outside the settings object, and the file that reads each.
-READ_OUTSIDE_SETTINGS = {
-    "AUK_API_HOST": "api/__main__.py",
-    "AUK_API_PORT": "api/__main__.py",
-    "AUK_LOG_LEVEL": "api/__main__.py",
-    "AUK_WORKER_ID": "auk_worker/service/ops/probe.py",
-}
+# AUK_* variables that the processes of these pods read outside the settings object, and the file that reads each:
+# none (connect/settings.py reads every one; tests/test_settings_doc.py keeps docs/settings.md in step).
+READ_OUTSIDE_SETTINGS: dict[str, str] = {}
 APP_DIR = PurePosixPath("/app")  # the image's WORKDIR: /app/config/*.yaml is the repository's config/
 
 

@@ -1,7 +1,7 @@
 """``GET /batches/{id}``: the page to listen to a batch, and ``GET /batches/{id}/audio/{job id}``, its players' source.
 
-Both are reached with a signed link (``?exp=...&sig=...``, ``api/batch_page_links.py``) that only the batch's owner can make;
-the page may also be opened with the owner's bearer key, and then signs its own audio sources. The audio route
+Both are reached with a signed link (``?exp=...&sig=...``, ``api/batch_page_links.py``) that only the batch's owner can
+make; the page may also be opened with the owner's bearer key, and then signs its own audio sources. The audio route
 streams the stored object through the API (same origin as the page, so players and scripts read it without
 cross-origin rules), passing a ``Range`` header on to storage so that players can seek.
 """

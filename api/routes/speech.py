@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +29,7 @@ from api.deps import Services, services
 from api.errors import RETRY_AFTER_S, error_response
 from api.openapi import AUDIO_CONTENT, BODY_ERRORS, V1_ERRORS, errors
 from api.requests import SpeechRequest, resolve_clip, to_job
-from api.submit import enqueue_interactive
+from api.submit import submit_job
 from auk_worker import formats
 from auk_worker.errors import InputError
 from auk_worker.service.records.jobs import JobStatus
@@ -63,11 +64,11 @@ def _job_error(code: str, message: str) -> JSONResponse:
 
 
 def _submit(svc: Services, owner: str, body: SpeechRequest) -> tuple[str, float]:
-    """The job's id, and the wall time its record was written and sent from (where ``queue`` starts)."""
-    request = to_job(body)
-    clip = resolve_clip(svc, owner, body, request)
-    enqueued_at = time.time()
-    return enqueue_interactive(svc, owner, request, clip, reply=True).id, enqueued_at
+    """The job's id, and the wall time its record was made (where ``queue`` starts). The one submit path, with the
+    speech request's clip source and a reply; no idempotency key (``submit.submit_job`` says why)."""
+    record, _ = submit_job(svc, owner, to_job(body), None,
+                           clip_source=lambda request: resolve_clip(svc, owner, body, request), reply=True)
+    return record.id, datetime.fromisoformat(record.created_at.replace("Z", "+00:00")).timestamp()
 
 
 @router.post("/audio/speech", summary="Render speech and answer with the audio (OpenAI-compatible)",

@@ -1,8 +1,8 @@
 """``POST /v1/uploads``: validate and store one audio clip for later jobs.
 
 The clip is decoded with the same code the worker uses (so a clip that uploads is a clip that renders), the
-original bytes go to ``uploads/<id>`` in the result bucket, and the upload store (``auk_worker/service/records/uploads.py``)
-records its owner and what was decoded, its exact sample count included. Jobs refer to it as
+original bytes go to ``uploads/<id>`` in the result bucket, and the upload store
+(``auk_worker/service/records/uploads.py``) records its owner and what was decoded, its exact sample count included. Jobs refer to it as
 ``{"audio": {"upload_id": ...}}``.
 """
 

@@ -1,5 +1,5 @@
-"""Every redis-py client of the service (API, worker, heartbeats, job store) and the Celery broker's address, built
-from ``AUK_REDIS_URL`` in this one place.
+"""Every redis-py client of the service (API, worker, heartbeats, job store, quotas, speech replies; sync or
+asyncio) and the Celery broker's address, built from ``AUK_REDIS_URL`` in this one place.
 
 ``AUK_REDIS_URL`` names one server (``redis://``, ``rediss://``, ``unix://``) or Redis Sentinel: every sentinel,
 ``;``-separated, the database number at the end, ``sentinel://h1:26379;sentinel://h2:26379;sentinel://h3:26379/0``;
@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import redis
+import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
@@ -60,9 +62,12 @@ def redis_client(
     socket_timeout: float = 5.0,
     socket_connect_timeout: float = 5.0,
     health_check_interval: int = 0,
+    decode_responses: bool = True,
 ) -> redis.Redis:
-    """A client for the service's Redis (strings decoded), one server or the Sentinel-managed master."""
-    options: dict[str, Any] = {"decode_responses": True, "socket_timeout": socket_timeout,
+    """A client for the service's Redis, one server or the Sentinel-managed master (strings decoded unless
+    ``decode_responses`` is false: the replies carry audio bytes). With Sentinel, a command's connection errors are
+    retried across a failover, on the master the sentinels name by then."""
+    options: dict[str, Any] = {"decode_responses": decode_responses, "socket_timeout": socket_timeout,
                                "socket_connect_timeout": socket_connect_timeout,
                                "health_check_interval": health_check_interval}  # fmt: skip
     if not is_sentinel(settings.redis_url):
@@ -74,6 +79,26 @@ def redis_client(
     return sentinel.master_for(settings.redis_sentinel_master, db=address.db, password=address.password,
                                username=address.username, retry=retry, connection_class=_MasterConnection,
                                **options)  # fmt: skip
+
+
+def async_redis_client(
+    settings: Settings,
+    *,
+    socket_timeout: float = 5.0,
+    socket_connect_timeout: float = 5.0,
+    decode_responses: bool = True,
+) -> aioredis.Redis:
+    """``redis_client`` for an asyncio caller (the API's rate limit and its speech replies, which must not hold a
+    thread): the same server, or the same Sentinel-managed master through redis-py's asyncio Sentinel."""
+    options: dict[str, Any] = {"decode_responses": decode_responses, "socket_timeout": socket_timeout,
+                               "socket_connect_timeout": socket_connect_timeout}  # fmt: skip
+    if not is_sentinel(settings.redis_url):
+        return aioredis.Redis.from_url(settings.redis_url, **options)
+    address = parse_sentinel_url(settings.redis_url)
+    sentinel = AsyncSentinel(list(address.sentinels), socket_timeout=socket_connect_timeout,
+                             socket_connect_timeout=socket_connect_timeout)  # fmt: skip
+    return sentinel.master_for(settings.redis_sentinel_master, db=address.db, password=address.password,
+                               username=address.username, **options)  # fmt: skip
 
 
 def broker_url(settings: Settings) -> str:

@@ -4,6 +4,9 @@ Every process of the service (API, worker, benchmark, tests) builds one ``Settin
 ``Settings.from_env()``. A bad value is refused with the variable's name; secrets have no defaults.
 Checks that only one side needs (storage credentials, API keys) are separate ``require_*`` calls so that
 a worker does not need API keys and the API does not need a checkpoint.
+
+Every ``AUK_*`` variable of the service is read here and nowhere else; ``docs/settings.md`` lists them (variable,
+default, meaning) and ``tests/test_settings_doc.py`` keeps the two in step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ PIPELINES = ("auk", "instant", "random-release")
 # AUK_VARIANT_CHECK: when the API refuses a job whose variant no live worker serves (api/submit.py).
 VARIANT_CHECKS = ("live", "strict", "off")
 LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -120,8 +124,11 @@ def _redis_url(env: Mapping[str, str]) -> str:
     return _url(env, "AUK_REDIS_URL", ("redis", "rediss", "unix"), raw)
 
 
-def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None,
+            upper: bool = False) -> str | None:  # fmt: skip
     raw = _get(env, name) or default
+    if raw is not None and upper:
+        raw = raw.upper()
     if raw is not None and raw not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
     return raw
@@ -139,6 +146,28 @@ def worker_id_or_none(raw: str | None, name: str = "AUK_WORKER_ID") -> str | Non
         raise ConfigError(f"{name} must be 1-128 letters, digits and . _ : @ - (starting with a letter or digit), "
                           f"got {raw!r}")  # fmt: skip
     return raw
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit() and 0 < int(raw) < 65536):
+        raise ConfigError(f"{name} must be a port number, got {raw!r}")
+    return int(raw)
+
+
+def _seconds_or_zero(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{name} must be a number of seconds of at least 0, got {raw!r}")
+    return value
 
 
 def _prefix(raw: str | None) -> str:
@@ -181,19 +210,21 @@ class Settings:
     pipeline: str = "auk"
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
     retry_backoff_s: float = 1.0  # AUK_RETRY_BACKOFF: first retry delay; doubles each retry
-    # Webhooks (delivery/webhooks/, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher threads
-    # the API runs (0: none, run `python -m auk_worker.service.delivery.webhooks` instead); its timeout and retry schedule.
+    # Webhooks (delivery/webhooks/, notify.py): hosts/CIDRs a webhook may reach although not public; the dispatcher
+    # threads the API runs (0: none, run `python -m auk_worker.service.delivery.webhooks` instead); its timeout and
+    # retry schedule.
     webhook_allow: str = ""  # AUK_WEBHOOK_ALLOW, e.g. "127.0.0.1,hooks.internal,10.1.0.0/16"
     webhook_threads: int = 2  # AUK_WEBHOOK_THREADS
     webhook_timeout_s: float = 10.0  # AUK_WEBHOOK_TIMEOUT
     webhook_retry_base_s: float = 30.0  # AUK_WEBHOOK_RETRY_BASE: the first retry's longest delay; doubles
     webhook_retry_cap_s: float = 6 * 3600.0  # AUK_WEBHOOK_RETRY_CAP: the longest delay between two attempts
     webhook_max_attempts: int = 15  # AUK_WEBHOOK_MAX_ATTEMPTS
-    # The batch page's signed links (api/batch_page_links.py): the HMAC key (default: derived from AUK_API_KEYS, so every API
-    # replica verifies every link) and how long a link lives unless the caller asks for less or more (at most 7 d).
+    # The batch page's signed links (api/batch_page_links.py): the HMAC key (default: derived from AUK_API_KEYS, so
+    # every API replica verifies every link) and how long a link lives unless the caller asks for less or more (at most
+    # 7 d).
     link_secret: str | None = field(default=None, repr=False)  # AUK_LINK_SECRET
     link_seconds: int = 3600  # AUK_LINK_SECONDS
-    worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker.py)
+    worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker/main.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
     cache_dir: Path | None = None  # AUK_CACHE_DIR: torch's and Triton's compile caches, shared across starts
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
@@ -223,6 +254,10 @@ class Settings:
     s3_public_endpoint: str | None = None  # AUK_S3_PUBLIC_ENDPOINT: the host presigned URLs name (else the endpoint)
     metrics_port: int | None = None  # AUK_METRICS_PORT: a worker's Prometheus port (unset: no metrics server)
     log_format: str | None = None  # AUK_LOG_FORMAT: json or text (unset: text on a terminal, json otherwise)
+    log_level: str = "INFO"  # AUK_LOG_LEVEL: the API's log level (a worker takes --loglevel)
+    api_host: str = "127.0.0.1"  # AUK_API_HOST: the address `python -m api` binds
+    api_port: int = 8000  # AUK_API_PORT: the port `python -m api` binds
+    instant_step_delay_s: float = 0.0  # AUK_INSTANT_STEP_DELAY: the instant pipeline's seconds per step (tests)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -295,6 +330,10 @@ class Settings:
             s3_public_endpoint=_url(env, "AUK_S3_PUBLIC_ENDPOINT", ("http", "https"), None),
             metrics_port=_int(env, "AUK_METRICS_PORT", 0, minimum=0) or None,
             log_format=_choice(env, "AUK_LOG_FORMAT", LOG_FORMATS, None),
+            log_level=_choice(env, "AUK_LOG_LEVEL", LOG_LEVELS, "INFO", upper=True),
+            api_host=_get(env, "AUK_API_HOST") or "127.0.0.1",
+            api_port=_port(env, "AUK_API_PORT", 8000),
+            instant_step_delay_s=_seconds_or_zero(env, "AUK_INSTANT_STEP_DELAY", 0.0),
         ).checked()
 
     def checked(self) -> Settings:

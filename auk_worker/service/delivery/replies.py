@@ -14,7 +14,7 @@ still ``running`` and the job is delivered again, rendered with its own seed and
 second message that expires unread.
 
 The clients here are binary (``decode_responses=False``), unlike the job store's, and the API's is asyncio; both
-follow ``AUK_REDIS_URL`` as ``redis_client.py`` does (one server, or the master a Sentinel names).
+follow ``AUK_REDIS_URL`` through ``connect/redis.py``'s constructors (one server, or the master a Sentinel names).
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.sentinel import Sentinel
 
-from auk_worker.service.connect.redis_url import is_sentinel, parse_sentinel_url
+from auk_worker.service.connect.redis import async_redis_client, redis_client
 from auk_worker.service.connect.settings import Settings
 
 REPLY_TTL_S = 60  # a reply nobody took is dropped after this long
@@ -71,13 +69,9 @@ class ReplySender:
 
     @classmethod
     def from_settings(cls, settings: Settings, namespace: str = "auk") -> ReplySender:
-        options = {"socket_connect_timeout": 2, "socket_timeout": SOCKET_TIMEOUT_S}
-        if not is_sentinel(settings.redis_url):
-            return cls(redis.Redis.from_url(settings.redis_url, **options), namespace)
-        address = parse_sentinel_url(settings.redis_url)
-        sentinel = Sentinel(list(address.sentinels), socket_timeout=2, socket_connect_timeout=2)
-        return cls(sentinel.master_for(settings.redis_sentinel_master, db=address.db, password=address.password,
-                                       username=address.username, **options), namespace)  # fmt: skip
+        client = redis_client(settings, socket_connect_timeout=2, socket_timeout=SOCKET_TIMEOUT_S,
+                              decode_responses=False)  # the audio is bytes
+        return cls(client, namespace)
 
     def send(self, job_id: str, header: dict[str, Any], body: bytes = b"") -> None:
         key = reply_key(job_id, self.ns)
@@ -103,13 +97,9 @@ class ReplyWaiter:
 
     @classmethod
     def from_settings(cls, settings: Settings, namespace: str = "auk") -> ReplyWaiter:
-        options = {"socket_connect_timeout": 2, "socket_timeout": SOCKET_TIMEOUT_S + WAIT_SLICE_S}
-        if not is_sentinel(settings.redis_url):
-            return cls(aioredis.Redis.from_url(settings.redis_url, **options), namespace)
-        address = parse_sentinel_url(settings.redis_url)
-        sentinel = AsyncSentinel(list(address.sentinels), socket_timeout=2, socket_connect_timeout=2)
-        return cls(sentinel.master_for(settings.redis_sentinel_master, db=address.db, password=address.password,
-                                       username=address.username, **options), namespace)  # fmt: skip
+        client = async_redis_client(settings, socket_connect_timeout=2, socket_timeout=SOCKET_TIMEOUT_S + WAIT_SLICE_S,
+                                    decode_responses=False)  # fmt: skip
+        return cls(client, namespace)
 
     async def wait(self, job_id: str, timeout_s: float = WAIT_SLICE_S) -> Reply | None:
         """The job's reply, or None when none came within ``timeout_s`` (at most ``SOCKET_TIMEOUT_S``)."""

@@ -1,8 +1,8 @@
 """``python -m auk_worker.service.ops.probe``: a worker container's health probe, read from its heartbeat in Redis.
 
 A solo Celery worker renders in its main thread and cannot answer a ping while busy, so the probe asks Redis
-instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>``, which ``health.py`` rewrites every
-2 s from a thread that keeps running through a long job, and exits 0 or 1, printing one line that says why. Without
+instead: it reads this worker's heartbeat hash ``auk:worker:<AUK_WORKER_ID>``, which ``worker/heartbeat.py``
+rewrites every 2 s from a thread that keeps running through a long job, and exits 0 or 1, printing one line that says why. Without
 ``AUK_WORKER_ID`` it reads the one heartbeat whose ``host`` is this host name (a container's own worker). The
 kubelet (an exec probe) or a compose healthcheck records that line. It imports redis and the settings module,
 never torch, so a probe costs a fraction of a second.
@@ -20,7 +20,6 @@ Two questions, one per flag:
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
@@ -91,7 +90,8 @@ def probe(worker_id: str | None, settings: Settings, max_age_s: float, live: boo
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.ops.probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m auk_worker.service.ops.probe",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--live", action="store_true", help="liveness: any state but failed, heartbeat fresh")
     parser.add_argument("--max-age", type=float, default=DEFAULT_MAX_AGE_S,
                         help=f"oldest acceptable heartbeat in seconds (default {DEFAULT_MAX_AGE_S:g})")  # fmt: skip
@@ -102,12 +102,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    worker_id = args.worker_id or os.environ.get("AUK_WORKER_ID", "").strip() or None
     try:
         settings = Settings.from_env()
     except ConfigError as exc:
         print(f"configuration error: {exc}")
         return 1
+    worker_id = args.worker_id or settings.worker_id
     verdict = probe(worker_id, settings, args.max_age, args.live)
     print(verdict.reason)
     return 0 if verdict.ok else 1

@@ -171,7 +171,8 @@ class JobTransitions(JobReader):
         """A job just became terminal: count it by status (unless ``count`` is false) and set the TTLs of its
         record, its idempotency key and its ended batch to ``ttl`` (default ``retain_s``; 0 keeps them)."""
         ttl = self.retain_s if ttl is None else ttl
-        self._retire_script(keys=[self.job_key(job_id), self.stats_key() if count else ""], args=[self.ns, status.value, ttl])
+        self._retire_script(keys=[self.job_key(job_id), self.stats_key() if count else ""],
+                            args=[self.ns, status.value, ttl])
 
     def set_batch_manifest(self, batch_id: str, key: str) -> None:
         self.redis.hset(self.batch_key(batch_id), mapping={"manifest_key": key, "finished_at": utc_now()})

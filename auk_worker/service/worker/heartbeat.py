@@ -12,14 +12,14 @@ every ``interval`` seconds with a TTL, so a worker that dies, or cannot reach Re
   non-zero.
 
 ``ready`` is what the consumer does, not what the task code last said: the consumer's event loop calls
-``consumer_tick`` every second with whether it can take a message (``worker.py``), and an idle worker whose ticks
+``consumer_tick`` every second with whether it can take a message (``main.py``), and an idle worker whose ticks
 stopped, or say it cannot, is published as ``stalled``. A worker that stays stalled for ``stall_timeout_s`` while
 Redis answers its heartbeat cannot recover by itself: ``on_stuck`` is called (the worker exits non-zero so that its
 supervisor starts it again). While Redis itself is away nothing is written and nothing exits: the consumer retries
 the connection, and restarting would not bring Redis back.
 
-The job ids stay inside Redis for the workers' own use (``jobs.py`` reads them to tell a live holder from one that
-let go); ``public_view`` is what an unauthenticated reader such as ``/readyz`` gets.
+The job ids stay inside Redis for the workers' own use (``records/scripts.py``: ``holder_state`` reads them to tell a
+live holder from one that let go); ``public_view`` is what an unauthenticated reader such as ``/readyz`` gets.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import numpy as np
 
 from auk_worker import rules
 from auk_worker.deploy import DeployConfig, load_deploy_config
-from auk_worker.errors import AuKError, ConfigError, InputError
+from auk_worker.errors import AuKError, InputError
 from auk_worker.rules import Knobs
 from auk_worker.service.connect.settings import Settings
 from auk_worker.types import HOP, RenderRequest, RenderResult
@@ -47,13 +47,9 @@ class InstantPipeline:
     ) -> InstantPipeline:
         """The step delay from ``AUK_INSTANT_STEP_DELAY``; the deploy config given, or the one ``AUK_DEPLOY_CONFIG``
         names (the file a real worker would load)."""
-        env = os.environ if environ is None else environ
-        raw = env.get("AUK_INSTANT_STEP_DELAY", "0") or "0"
-        try:
-            delay = float(raw)
-        except ValueError:
-            raise ConfigError(f"AUK_INSTANT_STEP_DELAY must be a number of seconds, got {raw!r}") from None
-        deploy = deploy or load_deploy_config(Settings.from_env(env).deploy_config)
+        settings = Settings.from_env(os.environ if environ is None else environ)
+        delay = settings.instant_step_delay_s
+        deploy = deploy or load_deploy_config(settings.deploy_config)
         return cls(variant, deploy, delay)
 
     def render(self, request: RenderRequest, on_step: Callable[[int, int], None] | None = None) -> RenderResult:

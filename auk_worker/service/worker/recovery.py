@@ -11,14 +11,13 @@ rendering. A holder whose heartbeat expired, names another instance (its contain
 id) or says ``failed`` is dead; one whose fresh heartbeat no longer lists the job let go of it without recording an
 end (its attempt ended while Redis was away). Either way the job is an orphan.
 
-The reaper runs after every heartbeat write (every 2 s) in every worker, one worker at a time under a short Redis
-lock (``auk:reaper``). For each orphan (``JobStore.orphans``: a Lua scan of ``auk:running``) it first sends
-``auk.render`` for the job to its variant's ``recovery`` queue, which workers poll before any other, and then
-moves the record back to ``queued`` (``JobStore.release_orphan``: only if the same holder still has it and still does not
-hold it; a kill is counted when the holder is dead). Sending first means a reaper that dies in between leaves a
-message and a record a start can still take (counting the kill itself), never a queued record without a message.
-A member of a bulk group comes back as a single job, which also keeps a job that may crash workers away from its
-neighbours.
+The reaper runs after every heartbeat write (every 2 s) in every worker, one worker at a time under a short Redis lock
+(``auk:reaper``). For each orphan (``JobStore.orphans``: a Lua scan of ``auk:running``) it first sends ``auk.render``
+for the job to its variant's ``recovery`` queue, which workers poll before any other, and then moves the record back to
+``queued`` (``JobStore.release_orphan``: only if the same holder still has it and still does not hold it; a kill is
+counted when the holder is dead). Sending first means a reaper that dies in between leaves a message and a record a
+start can still take (counting the kill itself), never a queued record without a message. A member of a bulk group
+comes back as a single job, which also keeps a job that may crash workers away from its neighbours.
 
 A worker can also die after it received a message and before it started the job (a group's later members wait
 for the earlier ones' starts): the record is still ``queued`` and its only message sits in kombu's ``unacked`` hash
