@@ -298,7 +298,7 @@ def connection_env(redis_server: RedisServer, s3: S3Server, **settings: str) -> 
 
 
 class WorkerProcess:
-    """One ``auk worker`` subprocess (solo pool: it renders in its main process) under the worker id ``hostname``.
+    """One ``auk worker`` subprocess (one render thread beside its consumer) under the worker id ``hostname``.
 
     ``cwd`` is its working directory (the repository by default); ``start`` again after a kill starts a new
     instance under the same worker id, as a supervisor restarting a container would. ``id_from_env``: pass no
@@ -351,7 +351,7 @@ class WorkerProcess:
             self.proc.wait(timeout=10)
 
     def terminate(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM: Celery's warm shutdown, the running job finishes first."""
+        """SIGTERM: a graceful stop, the running job finishes within AUK_STOP_GRACE or goes back to the queue."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:

@@ -20,6 +20,8 @@ job that crashes the model cannot take its neighbours' attempts with it.
   with the cause.
 - CUDA out of memory: failed with ``out_of_memory``, the cache emptied, the worker goes on.
 - ``Canceled`` (raised from the step callback once the record says canceled): nothing uploaded.
+- ``OperatorStop`` (raised from the step callback once a stopped worker's grace is over, ``stopping.py``): the job
+  goes back to the queue, its record to ``queued``, no kill counted.
 - A record found ``running`` under a dead holder means that holder died with it (``kills`` + 1, in ``start`` or
   in the reaper's release); at ``AUK_MAX_KILLS`` the job fails with ``worker_crashed`` instead of taking a further
   worker down. A record a live holder holds is not started again (a duplicate delivery, dropped).
@@ -64,6 +66,7 @@ from auk_worker.service.logs import job_context
 from auk_worker.service.metrics import WorkerMetrics
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
+from auk_worker.service.stopping import GracefulStop, OperatorStop
 from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
@@ -99,6 +102,7 @@ class RenderRuntime:
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # served on AUK_METRICS_PORT when set
+    stop: GracefulStop | None = None  # the worker's stop: past its grace, a render stops and its job is released
 
 
 # ---------------------------------------------------------------------------------------------------- the job
@@ -186,6 +190,8 @@ class _Progress:
         self.last_write = 0.0
 
     def __call__(self, step: int, total: int) -> None:
+        if self.rt.stop is not None:
+            self.rt.stop.check()  # the worker's stop grace is over: the job goes back to the queue
         now = time.monotonic()
         if step < total and now - self.last_write < PROGRESS_INTERVAL_S:
             return
@@ -363,6 +369,8 @@ def _cancel_check(rt: RenderRuntime, job_id: str) -> Any:
     unreachable too is no reason to drop what the worker holds, so it keeps waiting."""
 
     def check() -> None:
+        if rt.stop is not None:
+            rt.stop.check()
         try:
             canceled = rt.store.is_canceled(job_id)
         except redis.RedisError as exc:
@@ -511,7 +519,11 @@ def _empty_cuda_cache() -> None:
 def _settle(rt: RenderRuntime, job_id: str, exc: BaseException) -> bool:
     """Record how an attempt at ``job_id`` ended with ``exc``. True for an infrastructure error (storage or Redis
     unreachable): the record is left as it is and the caller retries the job."""
-    if isinstance(exc, Canceled):
+    if isinstance(exc, OperatorStop):  # the worker's stop grace is over: back to the queue, not a crash
+        log.info("job %s: %s", job_id, exc)
+        if rt.stop is not None:
+            rt.stop.release(job_id)
+    elif isinstance(exc, Canceled):
         log.info("job %s: %s", job_id, exc)
         rt.metrics.outcome("canceled")
         _after_terminal(rt, job_id, None)
@@ -552,7 +564,7 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     @app.task(name=RENDER_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
     def render(self: Task, job_id: str) -> None:
         started = time.perf_counter()
-        _busy(runtime, job_id)
+        _busy(runtime, [job_id])
         try:
             with job_context(job_id):
                 render_job(runtime, job_id)
@@ -571,7 +583,7 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
         if runtime.last_task_end is not None:  # Celery's share: ack, fetch and hand over the next message
             log.info("group of %d: %.1f ms since the previous task returned", len(job_ids),
                      (started - runtime.last_task_end) * 1000)  # fmt: skip
-        _busy(runtime, ",".join(job_ids))
+        _busy(runtime, job_ids)
         try:
             retry = render_group(runtime, job_ids)
         except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis went away between jobs: all again
@@ -588,14 +600,18 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     return render, render_group_task
 
 
-def _busy(rt: RenderRuntime, what: str) -> None:
+def _busy(rt: RenderRuntime, job_ids: list[str]) -> None:
+    if rt.stop is not None:
+        rt.stop.task_started(job_ids)
     if rt.heartbeat is not None:
-        rt.heartbeat.set("busy", what)
+        rt.heartbeat.set("busy", ",".join(job_ids))
 
 
 def _ready(rt: RenderRuntime) -> None:
     if rt.heartbeat is not None:
         rt.heartbeat.set("ready")
+    if rt.stop is not None:
+        rt.stop.task_ended()
 
 
 def _retry_or_fail(task: Task, rt: RenderRuntime, stopped: dict[str, Exception], args_for: Any) -> None:

@@ -1,13 +1,21 @@
 """``auk worker``: one Celery worker process per GPU that loads the pipeline once and then serves jobs.
 
 Order of start-up: settings are validated, the heartbeat goes up as ``starting``, the pipeline loads in this
-process (the solo pool renders in the main process, so nothing forks after CUDA is initialised), and only then
-does the consumer start; the heartbeat says ``ready`` once Celery is consuming. A pipeline that fails to load
-leaves the heartbeat at ``failed`` with the error, and the process exits with status 1.
+process (nothing forks after CUDA is initialised), and only then does the consumer start; the heartbeat says
+``ready`` once Celery is consuming. A pipeline that fails to load leaves the heartbeat at ``failed`` with the
+error, and the process exits with status 1.
+
+**One render at a time, off the consumer's thread.** Celery's threads pool with concurrency 1 and prefetch 1: the
+consumer's event loop stays in the main thread (it answers ``inspect ping`` and remote control, sends the
+``worker-heartbeat`` events Flower counts a worker online by, and handles signals) while one pool thread renders.
+The task's ``task-started`` event goes out as that thread takes the task. The pipeline was loaded (and its CUDA
+graphs captured, its kernels compiled) in the main thread; the render thread pins the pipeline's CUDA device first
+(the current device is per thread). Celery's time limits need the prefork pool and are not used.
 
 The worker consumes only its variant's queues, recovery before interactive before bulk, and runs a bulk
-feeder (``fairshare.py``) that releases staged batch tasks round-robin across keys. SIGTERM is Celery's warm
-shutdown: the running job finishes and is acknowledged, then the process exits.
+feeder (``fairshare.py``) that releases staged batch tasks round-robin across keys. SIGTERM (or Ctrl-C) is a
+graceful stop (``stopping.py``): the running job finishes within ``AUK_STOP_GRACE``, else goes back to the queue as
+an operator stop that counts no crash; the log says which.
 
 Identity: ``AUK_WORKER_ID`` (or ``--worker-id``, alias ``--hostname``) names the heartbeat; by default it is
 ``"<host name>-gpu<first CUDA index of the deploy config>"``, or ``"<host name>-cpu"`` without CUDA (the instant
@@ -30,6 +38,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import redis
@@ -49,6 +58,7 @@ from auk_worker.service.recovery import Reaper, RecoveryStore
 from auk_worker.service.redis_client import RedisFailedOver, ReplicationBarrier, redis_client
 from auk_worker.service.replies import ReplySender
 from auk_worker.service.settings import VARIANTS, Settings, worker_id_or_none
+from auk_worker.service.stopping import GracefulStop
 from auk_worker.service.storage import Storage
 from auk_worker.service.tasks import Pipeline, RenderRuntime, register
 from auk_worker.voice_cache import VoiceCache
@@ -77,8 +87,8 @@ def default_worker_id(settings: Settings, deploy=None) -> str:
 def consumer_watch(heartbeat: Heartbeat) -> type[bootsteps.StartStopStep]:
     """A consumer bootstep that tells ``heartbeat`` every ``TICK_S`` from the event loop whether the consumer can
     take a message (its channel has prefetch room, so it has asked Redis for one or is about to). The loop does
-    not tick while it reconnects or while a job renders (the solo pool renders inside it); the heartbeat allows
-    for the latter."""
+    not tick while it reconnects; while a job renders (in the pool's thread) it ticks that it cannot consume, and
+    the heartbeat, saying ``busy``, does not count that against it."""
 
     class ConsumerWatch(bootsteps.StartStopStep):
         requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -212,9 +222,10 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     voice_cache = VoiceCache(settings.voice_cache_bytes)
     if hasattr(pipeline, "voice_cache"):  # the real pipeline keeps a voice's prepared pieces in the same cache
         pipeline.voice_cache = voice_cache
+    stop = GracefulStop(notifying, heartbeat.holder, variant, _sender(app), settings.stop_grace_s, worker_id)
     runtime = RenderRuntime(settings, pipeline, notifying, storage, heartbeat, barrier=barrier,
                             holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
-                            voice_cache=voice_cache)  # fmt: skip
+                            voice_cache=voice_cache, stop=stop)  # fmt: skip
     _serve_metrics(runtime.metrics, settings, pipeline, client, heartbeat, worker_id)
     register(app, runtime)
     feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
@@ -225,6 +236,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
 
     signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutting_down.connect(lambda how="Warm", **_: stop.requested(how), weak=False)
+    signals.task_prerun.connect(_render_thread_setup(pipeline), weak=False)
     signals.task_received.connect(_note_delivery(RecoveryStore(store), heartbeat.holder), weak=False)
     if barrier is not None:
 
@@ -241,13 +254,13 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     worker = app.Worker(
         hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),
-        pool_cls="solo",
+        pool_cls="threads",  # one render thread; the consumer keeps the main thread (see the module docstring)
         concurrency=1,
         prefetch_multiplier=1,
         loglevel=loglevel,
         without_gossip=True,
         without_mingle=True,
-        without_heartbeat=False,  # worker-heartbeat events: Flower's "online" between jobs (health.py has ours)
+        without_heartbeat=False,  # worker-heartbeat events: Flower's "online", sent during renders too
         quiet=True,
     )
     try:
@@ -256,6 +269,22 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         feeder.stop()
         heartbeat.stop(remove=True)
     return int(worker.exitcode or 0)
+
+
+def _render_thread_setup(pipeline: Pipeline):
+    """A ``task_prerun`` handler (it runs in the render thread): pin the pipeline's CUDA device there once."""
+    pinned = threading.local()
+
+    def setup(**_: object) -> None:
+        if getattr(pinned, "done", False):
+            return
+        pinned.done = True
+        torch = sys.modules.get("torch")  # only the real pipeline loads torch
+        device = getattr(pipeline, "device", None)
+        if torch is not None and getattr(device, "type", None) == "cuda":
+            torch.cuda.set_device(device)
+
+    return setup
 
 
 def _sender(app):
@@ -291,8 +320,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="this worker's id, which names its heartbeat (default: AUK_WORKER_ID, else "
                              "<host name>-gpu<first CUDA index of the deploy config>, or <host name>-cpu)")  # fmt: skip
     parser.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING, ... (default INFO)")
-    parser.add_argument("--pool", default="solo", choices=["solo"],
-                        help="solo: jobs run in this process, where the model is loaded (the only choice)")  # fmt: skip
+    parser.add_argument("--pool", default="threads", choices=["threads"],
+                        help="threads: one render thread in this process, where the model is loaded, beside the "
+                             "consumer (the only choice)")  # fmt: skip
     return parser
 
 
