@@ -28,6 +28,7 @@ from auk_worker.deploy import load_deploy_config
 from auk_worker.service import settings as settings_module
 from api.models import BacklogView, QueueBacklog
 from auk_worker.service.backlog import PRIORITIES as BACKLOG_PRIORITIES
+from auk_worker.service.stopping import RELEASE_S
 from auk_worker.service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,13 +316,18 @@ def test_compile_caches_live_on_a_claimed_volume(rendered, target: str) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_warm_shutdown_grace_outlasts_the_longest_job(rendered, target: str) -> None:
+def test_termination_grace_covers_the_stop_grace_and_the_release(rendered, target: str) -> None:
+    """Kubernetes' SIGKILL comes only after the worker's own stop: its grace for the running job (AUK_STOP_GRACE),
+    the release of a job past it (stopping.RELEASE_S) and the exit; the stop grace lets the longest job finish."""
     docs = rendered[target]
     longest = longest_job_s(docs)
     for deployment, container in containers(docs, "worker"):
+        name = deployment["metadata"]["name"]
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > longest, f"{deployment['metadata']['name']}: grace {grace} s, longest job {longest} s"
-        assert container["command"][:2] == ["auk", "worker"]  # SIGTERM reaches Celery itself: warm shutdown
+        stop_grace = Settings.from_env(effective_env(docs, container)).stop_grace_s
+        assert grace >= stop_grace + RELEASE_S + 30, f"{name}: grace {grace} s, stop grace {stop_grace} s"
+        assert stop_grace >= longest, f"{name}: a job of {longest} s is released at {stop_grace} s"
+        assert container["command"][:2] == ["auk", "worker"]  # SIGTERM reaches the worker itself
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -18,8 +18,8 @@ Reliability settings, each for a reason:
   cannot reach Redis, and reconnects every couple of seconds, so a worker consumes again soon after Redis returns.
 - A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
   there the jobs whose worker died, so they run again next rather than behind the whole queue.
-- Remote control and task events on: ``celery -A auk_worker.service.celery_app inspect ping`` is answered by an
-  idle worker (a solo worker renders in the process that answers, so not during a job), and Flower
+- Remote control and task events on: ``celery -A auk_worker.service.celery_app inspect ping`` is answered by a
+  worker busy or idle (it renders in a pool thread beside its consumer: ``worker.py``), and Flower
   (``celery -A auk_worker.service.celery_app flower``) sees workers, their heartbeats and every task from
   ``task-sent`` (published by the API) to ``task-succeeded``.
 

@@ -29,8 +29,8 @@ Worker (an HTTP server on ``AUK_METRICS_PORT``, in the process that renders):
 - ``auk_worker_heartbeat_age_seconds``: how old the heartbeat in Redis is (what the API's readiness sees);
 - ``auk_worker_info{worker, variant, pipeline}``: 1.
 
-The worker runs Celery's solo pool, so the process that renders is the process that serves the metrics: the
-counters need no multiprocess mode. (A prefork pool would render in a child while a server in the parent saw
+The worker renders in a thread of the process that serves the metrics (Celery's threads pool), so the counters
+need no multiprocess mode. (A prefork pool would render in a child while a server in the parent saw
 nothing; that is why the server starts in the rendering process, after the pipeline has loaded.)
 """
 
@@ -98,8 +98,9 @@ class WorkerMetrics:
         """Export the heartbeat's age, read from Redis at each scrape by ``read_ts`` (epoch seconds or None)."""
         self.registry.register(_HeartbeatAge(read_ts))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Start the metrics HTTP server on a daemon thread; GPU memory is exported from then on."""
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Start the metrics HTTP server on ``addr`` (loopback unless ``AUK_METRICS_HOST`` says otherwise) on a
+        daemon thread; GPU memory is exported from then on."""
         self.registry.register(_GpuMemory())
         start_http_server(port, addr=addr, registry=self.registry)
 

@@ -306,8 +306,8 @@ def _serve_metrics(metrics: WorkerMetrics, settings: Settings, pipeline: Pipelin
         return float(ts) if ts else None
 
     metrics.watch_heartbeat(heartbeat_ts)
-    metrics.serve(settings.metrics_port)
-    log.info("worker %s: metrics on port %d", worker_id, settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_host)
+    log.info("worker %s: metrics on %s:%d", worker_id, settings.metrics_host, settings.metrics_port)
 
 
 def _parser() -> argparse.ArgumentParser:
