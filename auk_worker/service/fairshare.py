@@ -61,6 +61,22 @@ end
 return out
 """
 
+# What a feed has to do, in one command (a feeder wakes every FEED_INTERVAL_S in every process): the staged queues
+# whose Celery queue has room, and whether anything waits in the in-flight hash. KEYS: the set of staged queues,
+# the in-flight hash. ARGV: the ring prefix, the depth. A queue with nothing staged leaves the set (staging adds it
+# back).
+_PLAN = """
+local out = {redis.call('HLEN', KEYS[2])}
+for _, queue in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('LLEN', ARGV[1] .. queue .. ':ring') == 0 then
+    redis.call('SREM', KEYS[1], queue)
+  elseif redis.call('LLEN', queue) < tonumber(ARGV[2]) then
+    out[#out + 1] = queue
+  end
+end
+return out
+"""
+
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -79,6 +95,7 @@ class FairShare:
         self._stage = client.register_script(_STAGE)
         self._release = client.register_script(_RELEASE)
         self._unlock = client.register_script(_UNLOCK)
+        self._plan = client.register_script(_PLAN)
 
     def _ring(self, queue: str) -> str:
         return f"{self.ns}:bulk:{queue}:ring"
@@ -107,14 +124,18 @@ class FairShare:
 
     def feed(self, send: Send) -> int:
         """Top every bulk queue up to the depth, round-robin across keys; returns the tasks sent. Does nothing while
-        another feeder holds the lock."""
+        another feeder holds the lock, and takes no lock when there is nothing to do (one command)."""
+        inflight, *queues = self._plan(keys=[self._queues, self._inflight], args=[f"{self.ns}:bulk:", self.depth])
+        if not queues and not int(inflight):
+            return 0
         token = uuid.uuid4().hex
         if not self.redis.set(f"{self.ns}:bulk:feeder", token, nx=True, px=LOCK_MS):
             return 0
         sent = 0
         try:
-            self._resend_stale(send)
-            for queue in sorted(self.redis.smembers(self._queues)):
+            if int(inflight):
+                self._resend_stale(send)
+            for queue in sorted(queues):
                 room = self.depth - int(self.redis.llen(queue))  # the Celery queue: a Redis list named after it
                 if room <= 0:
                     continue
@@ -133,8 +154,6 @@ class FairShare:
         self.redis.hdel(self._inflight, item)
 
     def _resend_stale(self, send: Send) -> None:
-        if not self.redis.hlen(self._inflight):  # the usual case: every released task was sent
-            return
         now = time.time()
         for item, released in self.redis.hgetall(self._inflight).items():
             if now - float(released) > INFLIGHT_STALE_S:

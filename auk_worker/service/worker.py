@@ -229,7 +229,7 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     _serve_metrics(runtime.metrics, settings, pipeline, client, heartbeat, worker_id)
     register(app, runtime)
     feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
-    signals.task_postrun.connect(feeder.nudge, weak=False)  # a finished task makes room in the bulk queue
+    signals.task_postrun.connect(_after_bulk_task(feeder), weak=False)  # a bulk task done makes room in its queue
 
     def on_ready(**_: object) -> None:
         heartbeat.set("ready")
@@ -269,6 +269,18 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         feeder.stop()
         heartbeat.stop(remove=True)
     return int(worker.exitcode or 0)
+
+
+def _after_bulk_task(feeder: Feeder):
+    """A ``task_postrun`` handler: nudge the feeder when the task came from a bulk queue (an interactive one made
+    no room there; the feeder's own wake-up covers the rest)."""
+
+    def nudge(task=None, **_: object) -> None:
+        routing_key = ((getattr(getattr(task, "request", None), "delivery_info", None) or {}).get("routing_key") or "")
+        if not routing_key or routing_key.endswith(".bulk"):
+            feeder.nudge()
+
+    return nudge
 
 
 def _render_thread_setup(pipeline: Pipeline):
