@@ -50,7 +50,8 @@ class GracefulStop:
     the thread that handled the signal, ``check`` from the render's step callback and storage waits."""
 
     def __init__(self, store: JobStore, holder: str, variant: str, send: Callable[[str, list, str], None],
-                 grace_s: float, worker_id: str, exit_process: Callable[[int], None] = os._exit) -> None:  # fmt: skip
+                 grace_s: float, worker_id: str, exit_process: Callable[[int], None] = os._exit,
+                 release_s: float = RELEASE_S) -> None:  # fmt: skip
         self.store = store
         self.holder = holder
         self.recovery = queue_name(variant, RECOVERY)
@@ -58,6 +59,7 @@ class GracefulStop:
         self.grace_s = grace_s
         self.worker_id = worker_id
         self.exit_process = exit_process
+        self.release_s = release_s
         self.stopping = threading.Event()  # a stop was asked for
         self.expired = threading.Event()  # the grace is over: the running job is released at its next step
         self._lock = threading.Lock()
@@ -129,13 +131,13 @@ class GracefulStop:
         log.warning("worker %s: stop grace of %g s over with job %s rendering; releasing it to the queue (an "
                     "operator stop, not a crash)", self.worker_id, grace, what)  # fmt: skip
         self.expired.set()
-        if self._idle.wait(RELEASE_S):
+        if self._idle.wait(self.release_s):
             log.info("worker %s: job %s released; stopping", self.worker_id, what)
             return
         with self._lock:
             jobs = list(self._jobs)
         log.warning("worker %s: job %s did not reach a step within %g s of its release; releasing its record and "
-                    "exiting now", self.worker_id, ",".join(jobs), RELEASE_S)  # fmt: skip
+                    "exiting now", self.worker_id, ",".join(jobs), self.release_s)  # fmt: skip
         for job_id in jobs:
             self.release(job_id)
         logging.shutdown()

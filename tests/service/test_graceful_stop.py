@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from auk_worker.service.jobs import JobStatus
-from tests.service.test_worker import submit, wait_for, wait_terminal
+from tests.service.test_worker import make_record, submit, wait_for, wait_terminal
 
 
 def test_a_job_that_ends_within_the_grace_finishes_before_the_worker_stops(start_worker, store, settings,
@@ -51,3 +51,26 @@ def test_a_job_longer_than_the_grace_is_released_without_counting_a_crash(start_
     record = wait_terminal(store, job.id, timeout=60)
     assert record.status == JobStatus.SUCCEEDED and record.kills == 0 and record.attempts == 5, (
         record, finisher.log_tail())
+
+
+def test_a_render_that_reaches_no_step_is_released_by_the_watcher(store, redis_client) -> None:
+    """The render is stuck in one long call: past the grace and the release time, the watching thread releases the
+    record itself (no kill), sends the job to the recovery queue and exits the process (here: records the exit)."""
+    from auk_worker.service.stopping import GracefulStop
+
+    job = store.create(make_record({"instruction": "Stuck.", "gen_seconds": 1.0}))[0]
+    holder = "w-stuck/0badcafe"
+    assert store.start(job.id, holder) is not None
+    sent: list[tuple[str, list, str]] = []
+    exits: list[int] = []
+    stop = GracefulStop(store, holder, "base", lambda *task: sent.append(task), grace_s=0.2, worker_id="w-stuck",
+                        exit_process=exits.append, release_s=0.3)  # fmt: skip
+    stop.task_started([job.id])
+    stop.requested("Warm")
+    deadline = time.monotonic() + 5
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [0] and stop.expired.is_set()
+    record = store.get(job.id)
+    assert record.status == JobStatus.QUEUED and record.kills == 0 and not record.worker, record
+    assert sent == [("auk.render", [job.id], "auk.base.recovery")]
