@@ -121,27 +121,35 @@ def strays(workdir: Path, program: str) -> list[int]:
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if (entry / "comm").read_text().strip() == program and os.readlink(entry / "cwd") == target:
+            if (entry / "comm").read_text().strip() == program and os.readlink(entry / "cwd") == target \
+                    and not _gone(int(entry.name)):  # fmt: skip
                 found.append(int(entry.name))
         except OSError:  # gone meanwhile, or another user's
             continue
     return sorted(found)
 
 
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def stop_pid(pid: int, timeout: float = 15.0) -> bool:
     """SIGTERM to a process that is not our child, SIGKILL after ``timeout``; True once it is gone."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+    for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            os.kill(pid, 0)
+            if _gone(pid):
+                return True
             time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return _gone(pid)
 
 
 def _spawn(cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None):
