@@ -9,8 +9,10 @@ key sends later for at most the tasks already released (about the depth), not un
 staged the order is its own, first in, first out.
 
 The feeder runs in every API process and every worker (a thread waking every ``FEED_INTERVAL_S``, and at once
-after a batch is staged or a worker finishes a task), one at a time under a lock in Redis, so the bulk queues move
-while any process of the service is up. A released task is recorded in ``auk:bulk:inflight`` until Celery has it;
+after a batch is staged or a worker finishes a bulk task), so the bulk queues move while any process of the service
+is up. Each wake asks in one script whether a staged queue has room or a release waits in flight (one command, the
+usual idle answer being no); only then does it feed, one feeder at a time under a lock in Redis. A queue with
+nothing staged leaves ``auk:bulk:queues`` until a batch is staged for it again. A released task is recorded in ``auk:bulk:inflight`` until Celery has it;
 a feeder that dies between the two leaves it there, and the next feeder sends it again after
 ``INFLIGHT_STALE_S`` (at least once: a worker skips a job whose record is already finished).
 
