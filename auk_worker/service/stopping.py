@@ -67,6 +67,7 @@ class GracefulStop:
         self._task_started: float | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self._grace_left: float | None = None  # the grace of a stop asked for while no job ran (a job may yet start)
 
     # ------------------------------------------------------------------------------------------ render thread
 
@@ -75,6 +76,9 @@ class GracefulStop:
             self._jobs = list(job_ids)
             self._task_started = time.monotonic()
             self._idle.clear()
+            grace, self._grace_left = self._grace_left, None
+        if grace is not None:  # the stop came as this task was handed over: it is watched like any other
+            threading.Thread(target=self._watch, args=(grace,), name="graceful-stop", daemon=True).start()
 
     def task_ended(self) -> None:
         with self._lock:
@@ -117,6 +121,8 @@ class GracefulStop:
     def _watch(self, grace: float) -> None:
         with self._lock:
             jobs, started = list(self._jobs), self._task_started
+            if not jobs:
+                self._grace_left = grace
         if not jobs:
             log.info("worker %s: stop requested with no job running; stopping now", self.worker_id)
             return
