@@ -3,8 +3,10 @@
 It starts, under ``./run/`` (``--workdir``): a private ``redis-server`` (append-only file under ``./run/redis``,
 fsynced every second as docker-compose.yml runs it; port ``--redis-port``, else a free one), a SeaweedFS S3 server
 (``weed``; S3 port ``--s3-port``, else a free one), one worker process and the API on
-127.0.0.1:${AUK_API_PORT:-8000}. A ``redis-server`` or ``weed`` that an earlier run stopped hard left running on
-the same directory is found and stopped first (two servers on one append-only file corrupt it). The worker serves
+127.0.0.1:${AUK_API_PORT:-8000}. What an earlier run on the same directory left running when it was stopped hard
+(its supervisor killed) is found and stopped first: its children carry the run's directory in their environment,
+and a ``redis-server`` or ``weed`` working in ``./run/redis`` or ``./run/s3`` is found by its working directory
+(two servers on one append-only file corrupt it). The worker serves
 the checkpoint in ``AUK_CHECKPOINT`` when it is set (real weights; the variant is the checkpoint's own), otherwise a
 tiny checkpoint with random weights written to ``./run/tiny-checkpoint`` (its audio is noise).
 
@@ -44,6 +46,7 @@ from auk_dev.local import (
     RedisServer,
     S3Server,
     WorkerProcess,
+    marked,
     port_free,
     stop_pid,
     strays,
@@ -56,6 +59,8 @@ HOP = 480  # samples per latent frame at 24 kHz
 BUCKET = "auk"
 PREFIX = "demo"
 TINY_STEPS = 4  # the tiny checkpoint renders noise, so a few steps show the path without waiting for 32
+# In every child's environment, the run's directory: found again after a hard stop (not AUK_*: no setting).
+RUN_MARK = "AUKDEV_RUN_DIR"
 
 DEMO_LINES = [
     ("demo-1", 1.0, "A calm, low female voice, close to the microphone.", "Good morning, and welcome."),
@@ -185,6 +190,12 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir.resolve()
     out_dir = workdir / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _stop_earlier_run(workdir)  # before the port checks: an earlier run's API may hold the port
+    except RuntimeError as exc:
+        say(f"error: {exc}")
+        return 1
+    os.environ[RUN_MARK] = str(workdir)  # every child inherits it
     user = _user_settings()
     raw_port = user.get("AUK_API_PORT", "8000")
     if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
@@ -235,13 +246,11 @@ def run_demo(args: argparse.Namespace) -> int:
     api: ApiProcess | None = None
     try:
         if redis_server is not None:
-            _stop_strays(redis_server.workdir, "redis-server")
             redis_server.start()
             say(f"started redis-server on 127.0.0.1:{redis_server.port} (pid {redis_server.proc.pid}, append-only "
                 f"file under {redis_server.workdir}, log {redis_server.log})")
             supervisor.add("redis", redis_server)
         if s3 is not None:
-            _stop_strays(s3.workdir, "weed")
             s3.start()
             say(f"started SeaweedFS S3 on {s3.endpoint} (pid {s3.proc.pid}, data under {s3.workdir}, log {s3.log})")
             supervisor.add("storage", s3)
@@ -349,6 +358,29 @@ def _print_summary(results: list[dict], url: str, api_key: str, env: dict[str, s
     say(f'try        auk submit --instruction \'{instruct_tts("A clear, natural voice.", "Hello there.")}\' '
         f"--gen-seconds 2{' --steps 4' if quick else ''}{' --variant flash' if variant == 'flash' else ''}")
     say(f"           curl -H 'Authorization: Bearer {api_key}' {url}/v1/jobs")
+
+
+def _stop_earlier_run(workdir: Path) -> None:
+    """Stop what an earlier run on ``workdir`` left running when it was stopped hard (its supervisor killed): the
+    processes it marked, the API and worker first (a worker's SIGTERM is its graceful stop), then storage and
+    Redis; then any redis-server or weed on its directories that a run before these marks left."""
+    pids = marked(RUN_MARK, str(workdir))
+    servers = {"redis-server", "weed"}
+    names = {pid: _comm(pid) for pid in pids}
+    for pid in sorted(pids, key=lambda p: names[p] in servers):
+        say(f"found {names[pid]} (pid {pid}) of an earlier run on {workdir} that was stopped hard; stopping it "
+            f"(SIGTERM, SIGKILL after {_stop_grace() + RELEASE_S + 15:g} s)")  # fmt: skip
+        if not stop_pid(pid, timeout=_stop_grace() + RELEASE_S + 15):
+            raise RuntimeError(f"{names[pid]} (pid {pid}) of an earlier run did not stop; stop it by hand")
+    _stop_strays(workdir / "redis", "redis-server")
+    _stop_strays(workdir / "s3", "weed")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "process"
 
 
 def _stop_strays(workdir: Path, program: str) -> None:

@@ -137,6 +137,20 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def marked(name: str, value: str) -> list[int]:
+    """PIDs (this process excepted) whose environment holds ``name=value``: what a run marked as its children."""
+    needle = f"{name}={value}".encode() + b"\0"
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) != os.getpid() and needle in (entry / "environ").read_bytes() \
+                    and not _gone(int(entry.name)):  # fmt: skip
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(found)
+
+
 def stop_pid(pid: int, timeout: float = 15.0) -> bool:
     """SIGTERM to a process that is not our child, SIGKILL after ``timeout``; True once it is gone."""
     for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):

@@ -235,3 +235,33 @@ def test_demo_lists_only_what_it_started_on_the_ports_it_was_given(tmp_path: Pat
     logs = next(line for line in output.splitlines() if line.startswith("logs "))
     assert "redis" not in logs and "s3/weed.log" in logs, logs
     assert "redis-server" not in output and not (tmp_path / "run" / "redis").exists()
+
+
+def test_a_run_stopped_hard_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
+    """``make run`` killed with SIGKILL leaves its children running (each in its own session); the next ``make run``
+    on the same directory finds them by the mark in their environment, stops them (API and worker first, Redis
+    last) and runs on its own servers; none of the first run's processes is left."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}
+    env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "AUK_API_PORT": str(port),
+                "AUK_PIPELINE": "instant"})  # fmt: skip
+    workdir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "auk_dev.demo", "--workdir", str(workdir)], cwd=tmp_path,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out = _Output(first)
+    try:
+        out.wait_for("the service keeps running", timeout=120)
+    finally:
+        first.kill()  # the supervisor dies; its children do not
+        first.wait()
+    left = json.loads((workdir / "status.json").read_text())["children"]
+    assert all(_alive(child["pid"]) for child in left.values()), left
+    second = subprocess.run([sys.executable, "-m", "auk_dev.demo", "--once", "--workdir", str(workdir)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    found = re.findall(r"found (\S+) \(pid (\d+)\) of an earlier run on", output)
+    assert {int(pid) for _, pid in found} == {child["pid"] for child in left.values()}, (found, left)
+    assert [name for name, _ in found][-2:] in (["weed", "redis-server"], ["redis-server", "weed"])  # servers last
+    assert not any(_alive(child["pid"]) for child in left.values())
+    assert _processes_with_env(f"AUK_API_PORT={port}") == []
