@@ -60,7 +60,7 @@ BUCKET = "auk"
 PREFIX = "demo"
 TINY_STEPS = 4  # the tiny checkpoint renders noise, so a few steps show the path without waiting for 32
 # In every child's environment, the run's directory: found again after a hard stop (not AUK_*: no setting).
-RUN_MARK = "AUKDEV_RUN_DIR"
+RUN_MARK = "AUKDEV_RUN_DIR"  # redis-server overwrites its environment: found by its directory instead
 
 DEMO_LINES = [
     ("demo-1", 1.0, "A calm, low female voice, close to the microphone.", "Good morning, and welcome."),
