@@ -21,11 +21,14 @@ setup: $(VENV)/.installed
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
 	  { echo "redis-server is missing and could not be installed; install it and rerun" >&2; exit 1; }; }
 
+# Ports of the Redis and S3 servers `make run` starts: `make run REDIS_PORT=6390 S3_PORT=8334` (default: free ones).
+RUN_PORTS = $(if $(REDIS_PORT),--redis-port $(REDIS_PORT)) $(if $(S3_PORT),--s3-port $(S3_PORT))
+
 run: setup
-	$(PY) -m auk_dev.demo
+	$(PY) -m auk_dev.demo $(RUN_PORTS)
 
 demo-once: setup
-	$(PY) -m auk_dev.demo --once
+	$(PY) -m auk_dev.demo --once $(RUN_PORTS)
 
 # docker-compose (Debian's) only validates docker-compose.yml in tests/test_compose.py, and kubectl only renders
 # deploy/ with its built-in kustomize (v5, kubectl 1.27 or newer) in tests/test_k8s.py; where either cannot be

@@ -25,7 +25,7 @@ from api.errors import install_error_handlers
 from api.guard import JSON_BODY_LIMIT, KeySlots, RequestGuard
 from api.batch_page_links import LinkSigner
 from api.openapi import install_openapi, operation_id
-from api.routes import (audio, batch_page, batches, health, jobs, metrics, speech, uploads,
+from api.routes import (audio, backlog, batch_page, batches, health, jobs, metrics, speech, uploads,
                         voices, webhooks)
 from auk_worker.errors import InfraError
 from auk_worker.service.queues.fairshare import Feeder
@@ -79,7 +79,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
-    routers = (uploads, jobs, audio, batches, batch_page, webhooks, speech, voices, health, metrics)
+    routers = (uploads, jobs, audio, batches, batch_page, webhooks, speech, voices, health, metrics,
+               backlog)
     for routes in routers:
         app.include_router(routes.router)
     install_openapi(app)

@@ -14,7 +14,9 @@ In order, for each request:
    route's limit (413). A body is cut too (408) when its next piece does not arrive within
    ``AUK_API_BODY_TIMEOUT`` or, past that first allowance, it averages less than ``AUK_API_BODY_MIN_RATE``
    bytes per second (a byte every few seconds keeps no connection open for long). Both answers close the
-   connection, leaving the rest unread.
+   connection, leaving the rest unread. The body's clock starts when the request arrives, not when its turn
+   comes: a slow body parked behind its key's other requests has used its allowance by then and is cut at once
+   (what it had sent meanwhile, buffered by the server, still counts).
 
 Refusals leave as the API's usual ``{"error": {...}}`` bodies (``api/errors.py``).
 """
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers around an uploaded file
 JSON_BODY_LIMIT = 1024 * 1024  # a job request is a few kilobytes
+BUFFERED_S = 0.05  # past its deadline a body is still read if it is already there
 
 
 class GuardedBody:
@@ -47,7 +50,8 @@ class GuardedBody:
     and by ``timeout_s + received / min_rate`` seconds after the first wait began. Once the body has ended it passes
     through (a streaming response listens on it for the disconnect)."""
 
-    def __init__(self, receive: Receive, what: str, limit: int, timeout_s: float, min_rate: float) -> None:
+    def __init__(self, receive: Receive, what: str, limit: int, timeout_s: float, min_rate: float,
+                 arrived: float | None = None) -> None:  # fmt: skip
         self._receive = receive
         self.what = what
         self.limit = limit
@@ -55,7 +59,7 @@ class GuardedBody:
         self.min_rate = min_rate
         self.received = 0
         self.ended = False
-        self.started: float | None = None
+        self.started: float | None = arrived  # monotonic: when the request arrived (else the first read)
 
     async def __call__(self) -> Message:
         if self.ended:
@@ -65,7 +69,8 @@ class GuardedBody:
             self.started = now
         budget = self.started + self.timeout_s + self.received / self.min_rate - now
         try:
-            message = await asyncio.wait_for(self._receive(), max(0.0, min(self.timeout_s, budget)))
+            # At least a moment: a body that waited out its allowance for a turn may have arrived meanwhile.
+            message = await asyncio.wait_for(self._receive(), max(BUFFERED_S, min(self.timeout_s, budget)))
         except asyncio.TimeoutError:
             self.ended = True
             elapsed = time.monotonic() - self.started
@@ -138,6 +143,7 @@ class RequestGuard:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
+        arrived = time.monotonic()  # the body's deadline runs from here, through any wait for the key's turn
         headers = Headers(scope=scope)
         try:
             owner = self.keyring.owner_for(headers.get("authorization"))
@@ -145,15 +151,16 @@ class RequestGuard:
             await self._refuse(exc, scope, receive, send)
             return
         if self.slots is None:
-            await self._admit(owner, headers, scope, receive, send)
+            await self._admit(owner, headers, scope, receive, send, arrived)
             return
         try:
             async with self.slots.hold(owner):
-                await self._admit(owner, headers, scope, receive, send)
+                await self._admit(owner, headers, scope, receive, send, arrived)
         except TooManyRequests as exc:  # raised before the slot is taken: nothing was sent yet
             await self._refuse(exc, scope, receive, send)
 
-    async def _admit(self, owner: str, headers: Headers, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _admit(self, owner: str, headers: Headers, scope: Scope, receive: Receive, send: Send,
+                     arrived: float) -> None:  # fmt: skip
         if self.rate is not None:
             wait = await self.rate.take(owner)
             if wait > 0:
@@ -167,7 +174,8 @@ class RequestGuard:
             await self._refuse(too_large(what, limit), scope, receive, send)
             return
         scope.setdefault("state", {})["owner"] = owner
-        body = GuardedBody(receive, what, limit + MULTIPART_OVERHEAD, self.body_timeout_s, self.body_min_rate)
+        body = GuardedBody(receive, what, limit + MULTIPART_OVERHEAD, self.body_timeout_s, self.body_min_rate,
+                           arrived)  # fmt: skip
         await self.app(scope, body, send)
 
     @staticmethod

@@ -9,6 +9,9 @@ API (``GET /metrics`` on the API's own port), counted in the API process:
 
 and read from Redis at each scrape, so every API replica reports the same cluster-wide values:
 
+- ``auk_queue_backlog{variant, priority}``: render tasks waiting for a worker wherever they wait (the Celery queue,
+  and for bulk the fair share's per-key lists: ``queues/backlog.py``), what the pools are scaled on;
+- ``auk_queue_rendering{variant, priority}``: render tasks busy workers render now;
 - ``auk_queue_messages{queue}``: broker messages waiting per queue (a bulk message may carry a group of jobs);
 - ``auk_queue_unacked_messages``: messages delivered to workers and not yet acknowledged;
 - ``auk_jobs_submitted_total``, ``auk_jobs_finished_total{status}``: jobs since the store was created;
@@ -28,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from auk_worker.service.connect.settings import VARIANTS
+from auk_worker.service.queues.backlog import Backlog
 from auk_worker.service.queues.celery_app import worker_queues
 from auk_worker.service.records.workers import STATES as WORKER_STATES
 from auk_worker.service.records.workers import read_heartbeats
@@ -61,6 +65,7 @@ class _ServiceState(Collector):
         self.stats_key = stats_key
         self.namespace = namespace
         self.queues = [q for variant in VARIANTS for q in worker_queues(variant)]
+        self.backlog = Backlog(client, VARIANTS, namespace)
 
     def collect(self) -> Iterable[Any]:
         up = GaugeMetricFamily("auk_redis_up", "Whether Redis answered this scrape's reads")
@@ -72,6 +77,7 @@ class _ServiceState(Collector):
             pipe.hgetall(self.stats_key)
             *depths, unacked, stats = pipe.execute()
             beats = read_heartbeats(self.client, self.namespace)
+            waiting = self.backlog.read()
         except redis.RedisError:
             up.add_metric([], 0)
             yield up
@@ -99,6 +105,16 @@ class _ServiceState(Collector):
         for state in WORKER_STATES:
             workers.add_metric([state], sum(1 for beat in beats if beat.get("state") == state))
         yield workers
+        backlog = GaugeMetricFamily("auk_queue_backlog", "Render tasks waiting for a worker, wherever they wait",
+                                    labels=["variant", "priority"])  # fmt: skip
+        rendering = GaugeMetricFamily("auk_queue_rendering", "Render tasks workers render now",
+                                      labels=["variant", "priority"])  # fmt: skip
+        for variant, priorities in waiting.items():
+            for priority, counts in priorities.items():
+                backlog.add_metric([variant, priority], counts["waiting"])
+                rendering.add_metric([variant, priority], counts["rendering"])
+        yield backlog
+        yield rendering
 
 
 class RequestMetricsMiddleware:

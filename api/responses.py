@@ -210,6 +210,28 @@ class WorkerView(BaseModel):
     age_s: float | None = Field(description="seconds since its last heartbeat")
 
 
+class QueueBacklog(BaseModel):
+    model_config = _OPEN
+    waiting: int = Field(description="tasks waiting for a worker (bulk: the Celery queue and the fair share's lists)")
+    rendering: int = Field(description="tasks a worker renders now")
+    demand: int = Field(description="waiting + rendering: the workers this work keeps busy")
+
+
+class VariantBacklog(BaseModel):
+    model_config = _OPEN
+    interactive: QueueBacklog
+    bulk: QueueBacklog
+    recovery: QueueBacklog = Field(description="jobs sent again after their worker died, polled first")
+
+
+class BacklogView(BaseModel):
+    """Render tasks waiting for a worker, per variant (``GET /backlog``, what KEDA scales the pools on)."""
+
+    model_config = _OPEN
+    base: VariantBacklog
+    flash: VariantBacklog
+
+
 class Readiness(BaseModel):
     """Whether Redis and storage answer (200 ``ready``, else 503 ``unavailable``) and which workers are serving."""
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+import time
 from typing import Any
 
 import redis
@@ -149,15 +150,29 @@ def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- workers
 
 
+VARIANT_VIEW_S = 1.0  # a passed variant check holds this long per API process: reading every heartbeat per job
+# costs one command per worker (a hundred a job on a hundred workers); a refusal always reads them afresh
+_variant_view: dict[int, tuple[float, dict[str, list[str]], int]] = {}  # id(redis client) -> (monotonic, served, live)
+
+
+def _variant_missing(policy: str, variants: set[str], served: dict[str, list[str]], live: int) -> list[str]:
+    if "?" in served or (live == 0 and policy == "live"):
+        return []
+    return sorted(variants - set(served))
+
+
 def require_worker_for(svc: Services, variants: set[str]) -> None:
     """Refuse (``NoWorker``) when ``AUK_VARIANT_CHECK`` says a job of one of ``variants`` would wait forever."""
     policy = svc.settings.variant_check
     if policy == "off":
         return
-    served, live = live_variants(read_heartbeats(svc.redis))
-    if "?" in served or (live == 0 and policy == "live"):
+    cached = _variant_view.get(id(svc.redis))
+    if cached is not None and time.monotonic() - cached[0] < VARIANT_VIEW_S \
+            and not _variant_missing(policy, variants, cached[1], cached[2]):  # fmt: skip
         return
-    missing = sorted(variants - set(served))
+    served, live = live_variants(read_heartbeats(svc.redis))
+    _variant_view[id(svc.redis)] = (time.monotonic(), served, live)
+    missing = _variant_missing(policy, variants, served, live)
     if not missing:
         return
     serving = ", ".join(f"{v} ({len(ids)} worker{'s' if len(ids) > 1 else ''})" for v, ids in sorted(served.items()))

@@ -1,10 +1,14 @@
 """``python -m auk_dev.demo`` (``make run``): the whole service on this machine, then a demo batch through it.
 
 It starts, under ``./run/`` (``--workdir``): a private ``redis-server`` (append-only file under ``./run/redis``,
-fsynced every second as docker-compose.yml runs it), a SeaweedFS S3 server (``weed``), one worker process and the API
-on 127.0.0.1:${AUK_API_PORT:-8000}. The worker serves the checkpoint in ``AUK_CHECKPOINT`` when it is set (real
-weights; the variant is the checkpoint's own), otherwise a tiny checkpoint with random weights written to
-``./run/tiny-checkpoint`` (its audio is noise).
+fsynced every second as docker-compose.yml runs it; port ``--redis-port``, else a free one), a SeaweedFS S3 server
+(``weed``; S3 port ``--s3-port``, else a free one), one worker process and the API on
+127.0.0.1:${AUK_API_PORT:-8000}. What an earlier run on the same directory left running when it was stopped hard
+(its supervisor killed) is found and stopped first: its children carry the run's directory in their environment,
+and a ``redis-server`` or ``weed`` working in ``./run/redis`` or ``./run/s3`` is found by its working directory
+(two servers on one append-only file corrupt it). The worker serves
+the checkpoint in ``AUK_CHECKPOINT`` when it is set (real weights; the variant is the checkpoint's own), otherwise a
+tiny checkpoint with random weights written to ``./run/tiny-checkpoint`` (its audio is noise).
 
 Every ``AUK_*`` setting in the environment is used as given; only what is missing is made up: ``AUK_API_KEYS``
 (the first key is the demo's own), the S3 credentials, bucket and prefix. ``AUK_REDIS_URL`` or ``AUK_S3_ENDPOINT``
@@ -14,7 +18,9 @@ Once a worker is ready it submits a small batch of instruct-TTS jobs over the RE
 WAVs to ``./run/out/`` and prints where they are, locally and in the bucket. Then the service keeps running for
 your own requests until Ctrl-C or SIGTERM (``--once`` stops it after the batch): a child that exits (the worker,
 the API, Redis, storage) is started again, and the restarts are printed and kept in ``./run/status.json``. Every
-child process is stopped on the way out.
+child process is stopped on the way out, in order, each named with how it is stopped: the API, the worker
+(SIGTERM: its running job finishes within ``AUK_STOP_GRACE``, else goes back to the queue; SIGKILL only past that
+and the release time), storage, Redis.
 """
 
 from __future__ import annotations
@@ -34,13 +40,18 @@ import httpx
 
 from auk_worker.errors import AuKError
 from auk_dev.local import (
+    GRPC_OFFSET,
     REPO,
     ApiProcess,
     RedisServer,
     S3Server,
     WorkerProcess,
+    marked,
     port_free,
+    stop_pid,
+    strays,
 )
+from auk_worker.service.worker.stopping import RELEASE_S
 from auk_dev.supervisor import Supervisor
 
 SAMPLE_RATE = 24_000
@@ -48,6 +59,8 @@ HOP = 480  # samples per latent frame at 24 kHz
 BUCKET = "auk"
 PREFIX = "demo"
 TINY_STEPS = 4  # the tiny checkpoint renders noise, so a few steps show the path without waiting for 32
+# In every child's environment, the run's directory: found again after a hard stop (not AUK_*: no setting).
+RUN_MARK = "AUKDEV_RUN_DIR"  # redis-server overwrites its environment: found by its directory instead
 
 DEMO_LINES = [
     ("demo-1", 1.0, "A calm, low female voice, close to the microphone.", "Good morning, and welcome."),
@@ -177,6 +190,12 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = args.workdir.resolve()
     out_dir = workdir / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _stop_earlier_run(workdir)  # before the port checks: an earlier run's API may hold the port
+    except RuntimeError as exc:
+        say(f"error: {exc}")
+        return 1
+    os.environ[RUN_MARK] = str(workdir)  # every child inherits it
     user = _user_settings()
     raw_port = user.get("AUK_API_PORT", "8000")
     if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
@@ -189,6 +208,13 @@ def run_demo(args: argparse.Namespace) -> int:
     if "AUK_S3_ENDPOINT" in user and not ("AUK_S3_ACCESS_KEY" in user and "AUK_S3_SECRET_KEY" in user):
         say("error: AUK_S3_ENDPOINT is set: set AUK_S3_ACCESS_KEY and AUK_S3_SECRET_KEY for it too")
         return 2
+    for what, chosen, also in (("--redis-port", args.redis_port, None), ("--s3-port", args.s3_port, GRPC_OFFSET)):
+        if chosen is None:
+            continue
+        ports = [chosen] if also is None else [chosen, chosen + also]  # weed's gRPC listens on its port + 10000
+        if not all(0 < p < 65536 and port_free(p) for p in ports):
+            say(f"error: {what} {chosen}: 127.0.0.1:{' and '.join(map(str, ports))} must be free; choose another")
+            return 2
 
     checkpoint, variant, is_tiny = _checkpoint(workdir)
     quick = is_tiny or checkpoint is None  # a few steps are enough for noise or silence
@@ -212,20 +238,21 @@ def run_demo(args: argparse.Namespace) -> int:
     made_up["AUK_S3_INPUT_PREFIX"] = "inputs"  # where audio.key may read: apart from what the service writes
     redis_server = None
     if "AUK_REDIS_URL" not in user:  # fsynced every second, as docker-compose.yml runs it
-        redis_server = RedisServer(workdir / "redis", persist=True, fsync="everysec")
-    s3 = None if "AUK_S3_ENDPOINT" in user else S3Server(workdir / "s3", user.get("AUK_S3_ACCESS_KEY"),
-                                                          user.get("AUK_S3_SECRET_KEY"))  # fmt: skip
+        redis_server = RedisServer(workdir / "redis", port=args.redis_port, persist=True, fsync="everysec")
+    s3 = None if "AUK_S3_ENDPOINT" in user else S3Server(
+        workdir / "s3", user.get("AUK_S3_ACCESS_KEY"), user.get("AUK_S3_SECRET_KEY"), s3_port=args.s3_port)
     supervisor = Supervisor(workdir / "status.json")
     worker: WorkerProcess | None = None
     api: ApiProcess | None = None
     try:
         if redis_server is not None:
-            say(f"starting redis-server (append-only file under {redis_server.workdir})")
             redis_server.start()
+            say(f"started redis-server on 127.0.0.1:{redis_server.port} (pid {redis_server.proc.pid}, append-only "
+                f"file under {redis_server.workdir}, log {redis_server.log})")
             supervisor.add("redis", redis_server)
         if s3 is not None:
-            say(f"starting SeaweedFS S3 (data under {s3.workdir})")
             s3.start()
+            say(f"started SeaweedFS S3 on {s3.endpoint} (pid {s3.proc.pid}, data under {s3.workdir}, log {s3.log})")
             supervisor.add("storage", s3)
         env = _service_env(user, redis_server, s3, made_up)
         env["AUK_API_PORT"] = str(port)
@@ -249,7 +276,8 @@ def run_demo(args: argparse.Namespace) -> int:
             started = time.monotonic()
             results = _submit_and_fetch(http, variant, quick, out_dir, args.batch_timeout)
             say(f"batch rendered and downloaded in {time.monotonic() - started:.1f} s")
-        _print_summary(results, api.url, api_key, env, workdir, variant, is_tiny, quick)
+        logs = [str(workdir / "*.log")] + [str(server.log) for server in (redis_server, s3) if server is not None]
+        _print_summary(results, api.url, api_key, env, workdir, variant, is_tiny, quick, logs)
         if args.once:
             return 0
         say(f"\nthe service keeps running; a child that exits is restarted ({workdir}/status.json); Ctrl-C stops it")
@@ -313,7 +341,7 @@ def _write_env_file(path: Path, url: str, api_key: str, env: dict[str, str]) -> 
 
 
 def _print_summary(results: list[dict], url: str, api_key: str, env: dict[str, str], workdir: Path, variant: str,
-                   is_tiny: bool, quick: bool) -> None:  # fmt: skip
+                   is_tiny: bool, quick: bool, logs: list[str]) -> None:  # fmt: skip
     say("\nrendered:")
     for r in results:
         if "path" in r:
@@ -325,25 +353,87 @@ def _print_summary(results: list[dict], url: str, api_key: str, env: dict[str, s
     say(f"\nAPI        {url}  (docs: {url}/docs)")
     say(f"API key    {api_key}")
     say(f"S3         {env['AUK_S3_ENDPOINT']}  access key {env['AUK_S3_ACCESS_KEY']}  secret key (in demo.env)")
-    say(f"logs       {workdir}/*.log, {workdir}/redis/redis.log, {workdir}/s3/weed.log")
+    say(f"logs       {', '.join(logs)}")  # the logs of what this run started, no other
     say(f"settings   {workdir}/demo.env  (in another shell: set -a; . {workdir}/demo.env; set +a)")
     say(f'try        auk submit --instruction \'{instruct_tts("A clear, natural voice.", "Hello there.")}\' '
         f"--gen-seconds 2{' --steps 4' if quick else ''}{' --variant flash' if variant == 'flash' else ''}")
     say(f"           curl -H 'Authorization: Bearer {api_key}' {url}/v1/jobs")
 
 
+def _stop_earlier_run(workdir: Path) -> None:
+    """Stop what an earlier run on ``workdir`` left running when it was stopped hard (its supervisor killed): the
+    processes it marked, the API and worker first (a worker's SIGTERM is its graceful stop), then storage and
+    Redis; then any redis-server or weed on its directories that a run before these marks left."""
+    pids = marked(RUN_MARK, str(workdir))
+    servers = {"redis-server", "weed"}
+    names = {pid: _comm(pid) for pid in pids}
+    for pid in sorted(pids, key=lambda p: names[p] in servers):
+        say(f"found {names[pid]} (pid {pid}) of an earlier run on {workdir} that was stopped hard; stopping it "
+            f"(SIGTERM, SIGKILL after {_stop_grace() + RELEASE_S + 15:g} s)")  # fmt: skip
+        if not stop_pid(pid, timeout=_stop_grace() + RELEASE_S + 15):
+            raise RuntimeError(f"{names[pid]} (pid {pid}) of an earlier run did not stop; stop it by hand")
+    _stop_strays(workdir / "redis", "redis-server")
+    _stop_strays(workdir / "s3", "weed")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "process"
+
+
+def _stop_strays(workdir: Path, program: str) -> None:
+    """Stop a ``program`` an earlier run stopped hard left running on ``workdir`` (never a second one on its data)."""
+    for pid in strays(workdir, program):
+        say(f"found {program} (pid {pid}) still running on {workdir}, left by an earlier run that was stopped hard; "
+            "stopping it (SIGTERM, SIGKILL after 15 s) before starting this run's")  # fmt: skip
+        if not stop_pid(pid):
+            raise RuntimeError(f"{program} (pid {pid}) on {workdir} did not stop; stop it by hand")
+
+
+def _running(child) -> int | None:
+    proc = getattr(child, "proc", None) if child is not None else None
+    return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def _stopped(name: str, child) -> None:
+    code = child.proc.returncode
+    how = "killed (SIGKILL)" if code == -9 else f"exit status {code}"
+    say(f"  {name} stopped ({how})")
+
+
 def _shutdown(api: ApiProcess | None, worker: WorkerProcess | None, s3: S3Server | None,
               redis_server: RedisServer | None) -> None:
-    """Stop the children in order: no new requests, the running job finishes, then storage and Redis."""
+    """Stop the children in order, each named with how: no new requests, the running job finishes (or goes back to
+    the queue), then storage and Redis."""
+    grace = _stop_grace()
+    worker_wait = grace + RELEASE_S + 15  # the grace, the release of a job past it, the exit
     with _signals_ignored():
-        if api is not None:
+        if (pid := _running(api)) is not None:
+            say(f"stopping the API (pid {pid}): SIGTERM, SIGKILL after 10 s")
             api.stop()
-        if worker is not None:
-            worker.terminate(timeout=60)
-        if s3 is not None:
+            _stopped("API", api)
+        if (pid := _running(worker)) is not None:
+            say(f"stopping the worker (pid {pid}): SIGTERM; a running job finishes within AUK_STOP_GRACE ({grace:g} s),"
+                f" else goes back to the queue (not counted as a crash); SIGKILL after {worker_wait:g} s")
+            worker.terminate(timeout=worker_wait)
+            _stopped("worker", worker)
+        if (pid := _running(s3)) is not None:
+            say(f"stopping SeaweedFS (pid {pid}): SIGTERM, SIGKILL after 3 s (its data survives either)")
             s3.stop()
-        if redis_server is not None:
+            _stopped("SeaweedFS", s3)
+        if (pid := _running(redis_server)) is not None:
+            say(f"stopping redis-server (pid {pid}): SIGTERM, it syncs its append-only file; SIGKILL after 10 s")
             redis_server.stop()
+            _stopped("redis-server", redis_server)
+
+
+def _stop_grace() -> float:
+    try:
+        return max(0.0, float(os.environ.get("AUK_STOP_GRACE", "") or 30.0))
+    except ValueError:
+        return 30.0
 
 
 class _signals_ignored:
@@ -365,6 +455,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the worker to load the model (default 900)")  # fmt: skip
     parser.add_argument("--batch-timeout", type=float, default=600.0,
                         help="seconds to wait for the demo batch (default 600)")  # fmt: skip
+    parser.add_argument("--redis-port", type=int, help="the redis-server's port (default: a free one)")
+    parser.add_argument("--s3-port", type=int,
+                        help="SeaweedFS's S3 port (default: a free one; its gRPC takes this port + 10000)")  # fmt: skip
     return parser
 
 

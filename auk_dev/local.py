@@ -113,6 +113,59 @@ def stop_process(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeo
         proc.wait(timeout=5)
 
 
+def strays(workdir: Path, program: str) -> list[int]:
+    """PIDs of running ``program`` processes (``redis-server``, ``weed``) working in ``workdir``: servers an earlier
+    run left behind when it was stopped hard (its supervisor killed). redis-server changes into its ``--dir``;
+    ``S3Server`` starts weed in its directory. Linux's /proc only; elsewhere none are found."""
+    target = str(Path(workdir).resolve())
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (entry / "comm").read_text().strip() == program and os.readlink(entry / "cwd") == target \
+                    and not _gone(int(entry.name)):  # fmt: skip
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return sorted(found)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def marked(name: str, value: str) -> list[int]:
+    """PIDs (this process excepted) whose environment holds ``name=value``: what a run marked as its children."""
+    needle = f"{name}={value}".encode() + b"\0"
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(entry.name) != os.getpid() and needle in (entry / "environ").read_bytes() \
+                    and not _gone(int(entry.name)):  # fmt: skip
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def stop_pid(pid: int, timeout: float = 15.0) -> bool:
+    """SIGTERM to a process that is not our child, SIGKILL after ``timeout``; True once it is gone."""
+    for sig, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if _gone(pid):
+                return True
+            time.sleep(0.1)
+    return _gone(pid)
+
+
 def _spawn(cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None):
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
@@ -199,12 +252,14 @@ class S3Server:
     # test and demo data are a few MB.
     min_free_disk = 256 * 2**20
 
-    def __init__(self, workdir: Path, access_key: str | None = None, secret_key: str | None = None) -> None:
+    def __init__(self, workdir: Path, access_key: str | None = None, secret_key: str | None = None,
+                 s3_port: int | None = None) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.access_key = access_key or f"auk-{secrets.token_hex(8)}"
         self.secret_key = secret_key or secrets.token_urlsafe(30)
         self.proc: subprocess.Popen | None = None
         self.ports: dict[str, int] = {}
+        self.s3_port = s3_port  # the S3 gateway's port (the others are free ports); None: a free one too
 
     @property
     def endpoint(self) -> str:
@@ -243,8 +298,11 @@ class S3Server:
             raise RuntimeError(f"only {free / 2**20:.0f} MiB free on the disk of {data}: SeaweedFS refuses writes "
                                f"below {self.min_free_disk / 2**20:.0f} MiB; free some space and start again")
         if not self.ports:  # keep the same ports across a restart, so running clients reconnect
-            taken: set[int] = set()  # each server also listens on its port + 10000 (gRPC)
-            for name in ("master", "volume", "filer", "s3"):
+            taken: set[int] = {self.s3_port, self.s3_port + GRPC_OFFSET} if self.s3_port else set()
+            for name in ("master", "volume", "filer", "s3"):  # each also listens on its port + 10000 (gRPC)
+                if name == "s3" and self.s3_port:
+                    self.ports[name] = self.s3_port
+                    continue
                 port = free_port(also_free_offset=GRPC_OFFSET, taken=frozenset(taken))
                 self.ports[name] = port
                 taken |= {port, port + GRPC_OFFSET}
@@ -298,7 +356,7 @@ def connection_env(redis_server: RedisServer, s3: S3Server, **settings: str) -> 
 
 
 class WorkerProcess:
-    """One ``auk worker`` subprocess (solo pool: it renders in its main process) under the worker id ``hostname``.
+    """One ``auk worker`` subprocess (one render thread beside its consumer) under the worker id ``hostname``.
 
     ``cwd`` is its working directory (the repository by default); ``start`` again after a kill starts a new
     instance under the same worker id, as a supervisor restarting a container would. ``id_from_env``: pass no
@@ -351,7 +409,7 @@ class WorkerProcess:
             self.proc.wait(timeout=10)
 
     def terminate(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM: Celery's warm shutdown, the running job finishes first."""
+        """SIGTERM: a graceful stop, the running job finishes within AUK_STOP_GRACE or goes back to the queue."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:

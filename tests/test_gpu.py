@@ -74,6 +74,25 @@ def test_graph_path_matches_eager(pipe):
         assert np.array_equal(graphs, again), "graph replays must be deterministic"
 
 
+def test_a_render_thread_replays_the_graphs_the_main_thread_captured(pipe):
+    """The worker renders in Celery's threads pool (one thread beside the consumer): the graphs and compiled
+    kernels made at load in the main thread replay there, with the device pinned as the worker pins it, and give
+    the main thread's bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    request = RenderRequest(INSTRUCT, gen_seconds=3.0, seed=21)
+    here = pipe.render(request).waveform
+    steps: list[int] = []
+
+    def in_thread() -> np.ndarray:
+        torch.cuda.set_device(pipe.device)
+        return pipe.render(request, on_step=lambda step, total: steps.append(step)).waveform
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        there = pool.submit(in_thread).result()
+    assert np.array_equal(here, there) and steps[-1] == 32
+
+
 def test_a_render_waits_for_the_gpu_only_to_copy_its_waveform_out(pipe):
     """Inside a render the host never stalls on the GPU before the waveform's copy to the host: it queues each
     stage's work while the GPU runs the one before. torch's sync debug mode reports every synchronising call,

@@ -2,7 +2,7 @@
 manifest validates against the Kubernetes schemas (kubernetes-validate, strict: no unknown field), KEDA's kinds
 against tests/keda-v1alpha1.schema.json, and the rendered objects keep the promises the deployment rests on: one
 GPU per worker, warm-shutdown grace over the longest job, probes on the heartbeat, secrets only from Secrets,
-settings the service knows, KEDA on the bulk queue the workers consume.
+settings the service knows, KEDA on each pool's backlog as the API's ``/backlog`` reports it.
 
 Where kubectl (with kustomize v5) is missing these tests skip and say so; ``make test`` installs it when it can.
 """
@@ -26,7 +26,9 @@ import yaml
 
 from auk_worker.deploy import load_deploy_config
 from auk_worker.service.connect import settings as settings_module
-from auk_worker.service.queues.celery_app import queue_name
+from api.responses import BacklogView, QueueBacklog
+from auk_worker.service.queues.backlog import PRIORITIES as BACKLOG_PRIORITIES
+from auk_worker.service.worker.stopping import RELEASE_S
 from auk_worker.service.connect.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,6 +249,16 @@ def test_keda_schema_refuses_what_keda_would() -> None:
             jsonschema.validate(bad, KEDA_SCHEMA)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**good, "spec": {**good["spec"], "cooldown": 300}}, KEDA_SCHEMA)
+    api = {"type": "metrics-api", "metadata": {"url": "http://a.ns.svc.cluster.local/backlog",
+                                               "valueLocation": "base.bulk.demand", "targetValue": "60"}}  # fmt: skip
+    jsonschema.validate({**good, "spec": {**good["spec"], "triggers": [api]}}, KEDA_SCHEMA)
+    for bad_metadata in ({**api["metadata"], "targetValue": 60},  # a number, not a string
+                         {**api["metadata"], "valuelocation": "x"},  # a misspelt key
+                         {"url": api["metadata"]["url"], "targetValue": "60"},  # nowhere to read the value
+                         {**api["metadata"], "url": "auk-api/backlog"}):  # not a URL  # fmt: skip
+        bad = {**good, "spec": {**good["spec"], "triggers": [{**api, "metadata": bad_metadata}]}}
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, KEDA_SCHEMA)
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -300,13 +312,18 @@ def test_compile_caches_live_on_a_claimed_volume(rendered, target: str) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_warm_shutdown_grace_outlasts_the_longest_job(rendered, target: str) -> None:
+def test_termination_grace_covers_the_stop_grace_and_the_release(rendered, target: str) -> None:
+    """Kubernetes' SIGKILL comes only after the worker's own stop: its grace for the running job (AUK_STOP_GRACE),
+    the release of a job past it (stopping.RELEASE_S) and the exit; the stop grace lets the longest job finish."""
     docs = rendered[target]
     longest = longest_job_s(docs)
     for deployment, container in containers(docs, "worker"):
+        name = deployment["metadata"]["name"]
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > longest, f"{deployment['metadata']['name']}: grace {grace} s, longest job {longest} s"
-        assert container["command"][:2] == ["auk", "worker"]  # SIGTERM reaches Celery itself: warm shutdown
+        stop_grace = Settings.from_env(effective_env(docs, container)).stop_grace_s
+        assert grace >= stop_grace + RELEASE_S + 30, f"{name}: grace {grace} s, stop grace {stop_grace} s"
+        assert stop_grace >= longest, f"{name}: a job of {longest} s is released at {stop_grace} s"
+        assert container["command"][:2] == ["auk", "worker"]  # SIGTERM reaches the worker itself
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -419,35 +436,93 @@ def test_overlays_set_every_endpoint(rendered, target: str) -> None:
 # ------------------------------------------------------------------------------------------------ KEDA
 
 
+def backlog_sample() -> dict:
+    """A ``GET /backlog`` answer as the API's model describes it: where a trigger's valueLocation must lead."""
+    fields = QueueBacklog.model_fields
+    return {variant: {priority: {name: 0 for name in fields} for priority in BACKLOG_PRIORITIES}
+            for variant in BacklogView.model_fields}  # fmt: skip
+
+
+def gjson_get(document: dict, path: str) -> Any:
+    """A plain dotted GJSON path (what the triggers use: no wildcards or modifiers)."""
+    assert re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", path), path
+    value: Any = document
+    for part in path.split("."):
+        value = value[part]
+    return value
+
+
+# Which pool serves which work: the pool's variant, and the priorities it must scale on.
+POOL_WORK = {"auk-worker-interactive": ("base", {"interactive", "recovery"}),
+             "auk-worker-flash": ("flash", {"interactive", "recovery", "bulk"}),
+             "auk-worker-bulk": ("base", {"bulk"})}  # fmt: skip
+
+
 @pytest.mark.parametrize("target", TARGETS)
-def test_keda_scales_the_bulk_pool_on_its_queue(rendered, target: str) -> None:
+def test_keda_scales_every_pool_on_its_backlog(rendered, target: str) -> None:
     docs = rendered[target]
     scaled = of_kind(docs, "ScaledObject")
-    bulk = named(docs, "Deployment", "auk-worker-bulk")
-    if not scaled:  # an overlay without an autoscaler sizes the bulk pool itself
-        assert "replicas" in bulk["spec"], f"{target}: no ScaledObject and no replica count for the bulk pool"
+    pools = {d["metadata"]["name"]: d for d in of_kind(docs, "Deployment") if component(d) == "worker"}
+    if not scaled:  # an overlay without an autoscaler sizes every pool itself
+        assert all("replicas" in pool["spec"] for pool in pools.values()), f"{target}: a pool with no size"
         return
-    (obj,) = scaled
-    spec = obj["spec"]
-    assert spec["scaleTargetRef"]["name"] == bulk["metadata"]["name"]
-    assert spec["scaleTargetRef"].get("kind", "Deployment") == "Deployment"
-    assert "replicas" not in bulk["spec"], "KEDA owns the bulk pool's replicas; a count here fights it on apply"
-    assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1
-    (trigger,) = spec["triggers"]
-    assert trigger["type"] == "redis"
-    metadata = trigger["metadata"]
-    assert metadata["listName"] == queue_name("base", "bulk")
-    container = bulk["spec"]["template"]["spec"]["containers"][0]
-    env = effective_env(docs, container)
-    assert env["AUK_VARIANT"] == "base"  # the pool consumes auk.base.*, so it drains that list
-    redis_url = urlparse(env["AUK_REDIS_URL"])
-    assert metadata["address"] == f"{redis_url.hostname}:{redis_url.port or 6379}", "KEDA reads another Redis"
-    assert metadata.get("databaseIndex", "0") == (redis_url.path.strip("/") or "0")
-    # Scale to zero only after every group taken before the list emptied has had time to finish.
-    assert spec["cooldownPeriod"] >= longest_job_s(docs)
-    auth = trigger.get("authenticationRef")
-    if auth:
-        (authentication,) = [a for a in of_kind(docs, "TriggerAuthentication") if a["metadata"]["name"] == auth["name"]]
-        refs = authentication["spec"]["secretTargetRef"]
-        assert {r["parameter"] for r in refs} >= {"password"}
-        assert all(r["name"].startswith("auk-secrets") for r in refs)
+    assert {obj["spec"]["scaleTargetRef"]["name"] for obj in scaled} == set(pools), "a pool without its autoscaler"
+    (service,) = of_kind(docs, "Service")
+    namespace = service["metadata"].get("namespace", "default")
+    sample = backlog_sample()
+    for obj in scaled:
+        spec = obj["spec"]
+        name = spec["scaleTargetRef"]["name"]
+        pool = pools[name]
+        assert spec["scaleTargetRef"].get("kind", "Deployment") == "Deployment"
+        assert "replicas" not in pool["spec"], f"KEDA owns {name}'s replicas; a count here fights it on apply"
+        assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1  # from zero to the maximum and back
+        # Scale to zero only after every job taken before the backlog emptied has had time to finish.
+        assert spec["cooldownPeriod"] >= longest_job_s(docs)
+        variant, priorities = POOL_WORK[name]
+        env = effective_env(docs, pool["spec"]["template"]["spec"]["containers"][0])
+        assert env["AUK_VARIANT"] == variant  # the pool consumes auk.<variant>.*, so it drains that backlog
+        covered = set()
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "metrics-api"
+            metadata = trigger["metadata"]
+            url = urlparse(metadata["url"])
+            # The API's Service, in the namespace it is deployed to, on the Service's port.
+            assert url.hostname == f"{service['metadata']['name']}.{namespace}.svc.cluster.local", metadata["url"]
+            assert (url.port or 80) == service["spec"]["ports"][0]["port"] and url.path == "/backlog"
+            assert isinstance(gjson_get(sample, metadata["valueLocation"]), int), metadata["valueLocation"]
+            trigger_variant, priority, field = metadata["valueLocation"].split(".")
+            assert trigger_variant == variant and field == "demand", metadata["valueLocation"]
+            assert float(metadata.get("activationTargetValue", "0")) == 0  # the first task starts a worker
+            covered.add(priority)
+        assert covered == priorities, f"{name} scales on {covered}, serves {priorities}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_bulk_queue_depth_covers_every_worker_taking_bulk_work(rendered, target: str) -> None:
+    """The feeder keeps AUK_BULK_QUEUE_DEPTH bulk tasks released per variant; a worker finding none released waits
+    for the next feed even with thousands staged, so the depth must cover every worker consuming auk.base.bulk:
+    the bulk pool and the interactive pool (which takes bulk work when idle), at their largest."""
+    docs = rendered[target]
+    largest = {obj["spec"]["scaleTargetRef"]["name"]: obj["spec"]["maxReplicaCount"]
+               for obj in of_kind(docs, "ScaledObject")}  # fmt: skip
+    takers = 0
+    for deployment, container in containers(docs, "worker"):
+        if effective_env(docs, container)["AUK_VARIANT"] == "base":
+            name = deployment["metadata"]["name"]
+            takers += largest.get(name, deployment["spec"].get("replicas", 1))
+    depths = {Settings.from_env(effective_env(docs, c)).bulk_queue_depth
+              for _, c in [*containers(docs, "worker"), *containers(docs, "api")]}  # fmt: skip
+    assert len(depths) == 1, f"{target}: processes disagree on AUK_BULK_QUEUE_DEPTH: {depths}"
+    assert depths.pop() >= takers, f"{target}: depth below the {takers} workers taking base bulk work"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_variant_whose_pools_scale_to_zero_is_never_refused(rendered, target: str) -> None:
+    """AUK_VARIANT_CHECK=live refuses a job whose variant no live worker serves; with pools at zero that would
+    refuse the job that should start them."""
+    docs = rendered[target]
+    if not of_kind(docs, "ScaledObject"):
+        return
+    for _, container in containers(docs, "api"):
+        assert Settings.from_env(effective_env(docs, container)).variant_check == "off", target

@@ -203,7 +203,7 @@ async def create_batch(request: Request, owner: str = Depends(caller), svc: Serv
                        webhook_url: str | None = Query(None, min_length=1, max_length=2048)) -> dict:
     data = await _read_body(request)
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is not a line's
     except UnicodeDecodeError as exc:
         raise MalformedBody(f"the batch is not UTF-8 text (byte {exc.start})") from None
     lines = sum(1 for line in job_lines(text) if line.strip())

@@ -260,6 +260,23 @@ def test_requests_in_flight_take_turns_per_key(start_api) -> None:
         assert http.get("/v1/jobs", headers=alpha).status_code == 200
 
 
+def test_slow_bodies_waiting_for_a_turn_are_cut_on_their_own_clock(start_api) -> None:
+    """Twelve stalled bodies of one valid key, two turns and room for all to wait: each body's allowance runs from
+    its arrival, so every one is answered (408) about one body timeout after it arrived, not one timeout per turn
+    taken before it (the last of them would wait six); and the key's next request is served."""
+    api = start_api(AUK_QUOTA_IN_FLIGHT="2", AUK_QUOTA_IN_FLIGHT_QUEUE="20")  # AUK_API_BODY_TIMEOUT=1
+    stalled = [RawRequest(api.port, _head("POST", "/v1/jobs", KEY_A, "application/json", length=200))
+               for _ in range(12)]  # fmt: skip
+    for request in stalled:
+        request.send(b'{"instruction": ', chunked=False)
+    answers = [request.result(timeout=10) for request in stalled]
+    assert all(status == 408 for status, _, _ in answers), answers
+    assert max(seconds for _, _, seconds in answers) < 2.5, answers
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=10) as http:
+        ok = http.post("/v1/jobs", json={"instruction": "fine", "gen_seconds": 1})
+        assert ok.status_code == 202, ok.text
+
+
 def test_queued_jobs_are_limited_per_key(start_api, redis_client) -> None:
     api = start_api(AUK_QUOTA_QUEUED_JOBS="3")  # no worker runs: every job stays queued
     alpha = httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {KEY_A}"})

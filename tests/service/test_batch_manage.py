@@ -94,6 +94,18 @@ def test_listing_is_per_key_newest_first_and_paginated(svc: BatchService, monkey
     assert auk(["cancel", ids[1]]) == 1 and "already_finished" in capsys.readouterr().err
 
 
+def test_a_byte_order_mark_before_the_first_line_is_not_part_of_it(svc: BatchService) -> None:
+    """A JSONL file saved by a Windows editor starts with U+FEFF: the batch is taken whole, line 1 included."""
+    body = "\ufeff" + "\r\n".join(json.dumps({"instruction": f"bom {i}", "gen_seconds": 1, "custom_id": f"bom-{i}",
+                                              "variant": "flash"}) for i in range(2)) + "\r\n"  # fmt: skip
+    with svc.client(KEY_C) as http:
+        created = http.post("/v1/batches", content=body.encode("utf-8"),
+                            headers={"Content-Type": "application/x-ndjson"})  # fmt: skip
+        assert created.status_code == 202, created.text
+        assert created.json()["total"] == 2 and not created.json().get("errors"), created.json()
+        http.post(f"/v1/batches/{created.json()['id']}/cancel")  # no Flash worker runs here
+
+
 def test_the_error_file_holds_the_lines_that_failed(svc: BatchService) -> None:
     buf = io.BytesIO()
     sf.write(buf, np.zeros(8000, np.float32) + 0.05, 16_000, format="WAV")

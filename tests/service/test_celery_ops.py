@@ -14,7 +14,7 @@ from auk_worker.service.queues.celery_app import make_celery
 from auk_worker.service.records.jobs import JobStatus
 from auk_dev.local import _python_env
 from tests.service.harness import REPO, free_port, stop_process, wait_until
-from tests.service.test_worker import submit, wait_terminal
+from tests.service.test_worker import submit, wait_for, wait_terminal
 
 APP = "auk_worker.service.queues.celery_app"
 
@@ -110,5 +110,47 @@ def test_flower_shows_the_worker_behind_basic_auth(start_worker, service_env, st
             return "auk.base.bulk" in str(workers.get("auk@w-flower", {}).get("active_queues"))
 
         wait_until("flower's inspect of the worker", inspected, 20)
+    finally:
+        stop_process(flower)
+
+
+def test_a_rendering_worker_answers_ping_and_flower_sees_it_started(start_worker, service_env, store, settings,
+                                                                   redis_client, tmp_path) -> None:  # fmt: skip
+    """While a job renders (the instant pipeline slowed to about 12 s): ``inspect ping`` is answered, Flower shows
+    the worker online through its heartbeat events and the task STARTED from its ``task-started`` event, sent when
+    the render began; the worker still renders one job at a time (a second job waits, queued)."""
+    port = free_port()
+    with open(tmp_path / "flower.log", "wb") as out:
+        flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", APP, "flower", "--address=127.0.0.1",
+                                   f"--port={port}"], env=_python_env({**service_env, "FLOWER_UNAUTHENTICATED_API": "1"}),
+                                  cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until("flower", lambda: httpx.get(f"{url}/healthcheck", timeout=1).status_code == 200, 60, flower,
+                   tmp_path / "flower.log")  # fmt: skip
+        worker = start_worker("w-busy", AUK_INSTANT_STEP_DELAY="0.04")
+        worker.wait_state(redis_client, "ready", timeout=60)
+        job = submit(store, settings, num_inference_steps=300)
+        second = submit(store, settings, num_inference_steps=2)
+        running = wait_for(store, job.id, lambda r: r.status == JobStatus.RUNNING and r.progress, 20, "running")
+        began = time.time()
+
+        def task_started() -> bool:
+            tasks = httpx.get(f"{url}/api/tasks", timeout=10).json()
+            return any(job.id in str(t.get("args")) and t.get("state") == "STARTED" for t in tasks.values())
+
+        wait_until("the task STARTED in flower", task_started, 10)
+        task = next(t for t in httpx.get(f"{url}/api/tasks", timeout=10).json().values() if job.id in str(t["args"]))
+        assert task["started"] is not None and task["started"] <= began + 1, (task, began)
+
+        ping = celery_cli(service_env, "inspect", "ping", "-d", "auk@w-busy", "--timeout", "5")
+        assert ping.returncode == 0 and "pong" in ping.stdout, ping.stdout + ping.stderr
+        listed = httpx.get(f"{url}/workers", params={"json": "1"}, timeout=10).json()["data"]
+        assert any(w["hostname"] == "auk@w-busy" and w["status"] for w in listed), listed
+        assert store.get(second.id).status == JobStatus.QUEUED  # one render at a time
+        now = store.get(job.id)
+        assert now.status == JobStatus.RUNNING and now.progress != running.progress, "the render went on meanwhile"
+        assert wait_terminal(store, job.id, timeout=60).status == JobStatus.SUCCEEDED
+        assert wait_terminal(store, second.id, timeout=30).status == JobStatus.SUCCEEDED
     finally:
         stop_process(flower)

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import soundfile as sf
 
-from auk_dev.local import REPO, free_port
+from auk_dev.local import GRPC_OFFSET, REPO, RedisServer, free_port
 
 REPORTED = re.compile(r"^\s+(demo-\d+): (\S+\.wav) \(([\d.]+) s\) = s3://(\S+?)/(\S+\.wav)$", re.MULTILINE)
 
@@ -43,7 +43,18 @@ def _processes_with_env(marker: str) -> list[int]:
     return found
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
 def test_demo_once_renders_the_batch_and_stops_everything(tmp_path: Path) -> None:
+    """Also: a redis-server an earlier run left on ./run/redis (its supervisor killed) is found and stopped before
+    the demo starts its own on the same append-only directory."""
+    stray = RedisServer(tmp_path / "run" / "redis", persist=True, fsync="everysec").start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}  # tiny checkpoint, demo settings
     port_marker = f"AUK_API_PORT={free_port()}"
     env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
@@ -56,8 +67,18 @@ def test_demo_once_renders_the_batch_and_stops_everything(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        stray.stop()
     assert proc.returncode == 0, output[-4000:]
     assert _processes_with_env(port_marker) == []  # redis-server, weed, the worker and the API all stopped
+    assert f"found redis-server (pid {stray.proc.pid}) still running on {tmp_path / 'run' / 'redis'}" in output
+    assert stray.proc.returncode is not None and not _alive(stray.proc.pid)
+    logs = next(line for line in output.splitlines() if line.startswith("logs "))
+    assert "redis/redis.log" in logs and "s3/weed.log" in logs, logs
+    for name in ("API", "worker", "SeaweedFS", "redis-server"):  # each named as it is stopped, and how
+        assert re.search(rf"stopping (the )?{name} \(pid \d+\): SIGTERM", output), (name, output[-3000:])
+        assert re.search(rf"^  {name} stopped \((exit status -?\d+|killed \(SIGKILL\))\)$", output, re.MULTILINE), (
+            name, output[-3000:])
+    assert "  worker stopped (exit status 0)" in output and "  redis-server stopped (exit status 0)" in output
 
     reported = REPORTED.findall(output)
     assert [r[0] for r in reported] == ["demo-1", "demo-2", "demo-3", "demo-4"], output[-4000:]
@@ -190,4 +211,58 @@ def test_demo_uses_the_users_settings_and_restarts_what_dies(tmp_path: Path) -> 
     assert proc.returncode == 0, out.text()[-4000:]
     assert "status: redis up (restarts 1), storage up (restarts 0), worker up (restarts 1), api up (restarts 0)" \
         in out.text()  # fmt: skip
+    assert _processes_with_env(f"AUK_API_PORT={port}") == []
+
+
+def test_demo_lists_only_what_it_started_on_the_ports_it_was_given(tmp_path: Path, redis_server) -> None:
+    """``make run`` with the user's Redis (``AUK_REDIS_URL``) and a chosen S3 port: no redis-server is started,
+    stopped or listed among the logs; SeaweedFS listens on the port given."""
+    s3_port = free_port(also_free_offset=GRPC_OFFSET)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}
+    env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "AUK_API_PORT": str(free_port()),
+                "AUK_PIPELINE": "instant", "AUK_REDIS_URL": redis_server.url})  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "auk_dev.demo", "--once", "--workdir", str(tmp_path / "run"),
+                             "--s3-port", str(s3_port)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output[-4000:]
+    assert f"started SeaweedFS S3 on http://127.0.0.1:{s3_port} " in output, output[-3000:]
+    logs = next(line for line in output.splitlines() if line.startswith("logs "))
+    assert "redis" not in logs and "s3/weed.log" in logs, logs
+    assert "redis-server" not in output and not (tmp_path / "run" / "redis").exists()
+
+
+def test_a_run_stopped_hard_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
+    """``make run`` killed with SIGKILL leaves its children running (each in its own session); the next ``make run``
+    on the same directory finds them by the mark in their environment, stops them (API and worker first, Redis
+    last) and runs on its own servers; none of the first run's processes is left."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUK_")}
+    env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "AUK_API_PORT": str(port),
+                "AUK_PIPELINE": "instant"})  # fmt: skip
+    workdir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "auk_dev.demo", "--workdir", str(workdir)], cwd=tmp_path,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out = _Output(first)
+    try:
+        out.wait_for("the service keeps running", timeout=120)
+    finally:
+        first.kill()  # the supervisor dies; its children do not
+        first.wait()
+    left = json.loads((workdir / "status.json").read_text())["children"]
+    assert all(_alive(child["pid"]) for child in left.values()), left
+    second = subprocess.run([sys.executable, "-m", "auk_dev.demo", "--once", "--workdir", str(workdir)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-4000:]
+    # redis-server rewrites the memory its environment was in (its process title): it is found by its directory
+    found = re.findall(r"found (\S+) \(pid (\d+)\) (?:of an earlier run|still running) on", output)
+    assert {int(pid) for _, pid in found} == {child["pid"] for child in left.values()}, (found, left)
+    assert [name for name, _ in found][-2:] in (["weed", "redis-server"], ["redis-server", "weed"])  # servers last
+    assert not any(_alive(child["pid"]) for child in left.values())
     assert _processes_with_env(f"AUK_API_PORT={port}") == []

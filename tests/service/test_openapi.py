@@ -49,7 +49,7 @@ SEED = "20261204"
 # and 503, WWW-Authenticate on 401), and each operation that declares the bearer scheme refuses a missing or bad key.
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance",
           "response_headers_conformance", "ignored_auth")
-UNAUTHENTICATED = {"/healthz", "/readyz", "/metrics", "/batches/{batch_id}", "/batches/{batch_id}/audio/{job_id}"}
+UNAUTHENTICATED = {"/healthz", "/readyz", "/metrics", "/backlog", "/batches/{batch_id}", "/batches/{batch_id}/audio/{job_id}"}
 
 
 # ------------------------------------------------------------------------------------------- the document alone

@@ -91,6 +91,24 @@ def value(samples: dict, name: str, **labels: str) -> float:
 # ------------------------------------------------------------------------------------------------------- metrics
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4 and IPv6 addresses a socket LISTENs on at ``port`` (from /proc/net/tcp and tcp6, hex as the kernel
+    writes them: 0100007F is 127.0.0.1, 00000000 every interface)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_worker_metrics_listen_on_loopback_only(ops: Ops) -> None:
+    port = int(ops.worker_metrics.rsplit(":", 1)[1].split("/")[0])
+    assert listening_addresses(port) == {"0100007F"}, listening_addresses(port)
+
+
 def test_metrics_of_the_api_and_the_worker_move_with_the_jobs(ops: Ops) -> None:
     api_url = f"{ops.api.url}/metrics"
     api0, worker0 = scrape(api_url), scrape(ops.worker_metrics)

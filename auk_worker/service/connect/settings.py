@@ -226,6 +226,10 @@ class Settings:
     link_seconds: int = 3600  # AUK_LINK_SECONDS
     worker_id: str | None = None  # AUK_WORKER_ID: None picks "<host name>-gpu<index>" or "-cpu" (worker/main.py)
     stall_timeout: int = 120  # AUK_STALL_TIMEOUT: seconds a worker may not consume, Redis answering, before it exits
+    # AUK_STOP_GRACE: seconds a stopped worker (SIGTERM, Ctrl-C) lets its running job finish before it releases the
+    # job back to the queue (an operator stop, not a crash: stopping.py). Keep the supervisor's wait before SIGKILL
+    # (Kubernetes' terminationGracePeriodSeconds) above it by stopping.RELEASE_S and some.
+    stop_grace_s: float = 30.0
     cache_dir: Path | None = None  # AUK_CACHE_DIR: torch's and Triton's compile caches, shared across starts
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
     # A job waits this long for storage (its clip, its upload) before it fails with ``storage_unavailable``; the
@@ -253,6 +257,7 @@ class Settings:
     retain_sweep_interval_s: int = 3600  # AUK_RETAIN_SWEEP_INTERVAL
     s3_public_endpoint: str | None = None  # AUK_S3_PUBLIC_ENDPOINT: the host presigned URLs name (else the endpoint)
     metrics_port: int | None = None  # AUK_METRICS_PORT: a worker's Prometheus port (unset: no metrics server)
+    metrics_host: str = "127.0.0.1"  # AUK_METRICS_HOST: the address it listens on (0.0.0.0 for a scraper elsewhere)
     log_format: str | None = None  # AUK_LOG_FORMAT: json or text (unset: text on a terminal, json otherwise)
     log_level: str = "INFO"  # AUK_LOG_LEVEL: the API's log level (a worker takes --loglevel)
     api_host: str = "127.0.0.1"  # AUK_API_HOST: the address `python -m api` binds
@@ -306,6 +311,7 @@ class Settings:
             link_seconds=_int(env, "AUK_LINK_SECONDS", 3600, minimum=1),
             worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
             stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
+            stop_grace_s=_float(env, "AUK_STOP_GRACE", 30.0, minimum=0),
             cache_dir=Path(cache_dir) if (cache_dir := _get(env, "AUK_CACHE_DIR")) else None,
             variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
             storage_retry_deadline_s=_positive(env, "AUK_STORAGE_RETRY_DEADLINE", 1800.0),
@@ -329,6 +335,7 @@ class Settings:
             retain_sweep_interval_s=max(1, _duration(env, "AUK_RETAIN_SWEEP_INTERVAL", 3600)),
             s3_public_endpoint=_url(env, "AUK_S3_PUBLIC_ENDPOINT", ("http", "https"), None),
             metrics_port=_int(env, "AUK_METRICS_PORT", 0, minimum=0) or None,
+            metrics_host=_get(env, "AUK_METRICS_HOST") or "127.0.0.1",
             log_format=_choice(env, "AUK_LOG_FORMAT", LOG_FORMATS, None),
             log_level=_choice(env, "AUK_LOG_LEVEL", LOG_LEVELS, "INFO", upper=True),
             api_host=_get(env, "AUK_API_HOST") or "127.0.0.1",

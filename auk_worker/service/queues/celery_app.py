@@ -19,8 +19,8 @@ Reliability settings, each for a reason:
   soon after Redis returns; a worker fetches atomically and every publisher wakes idle workers (``fetch.py``).
 - A worker also consumes ``auk.<variant>.recovery`` before its other queues: the reaper (``recovery.py``) sends
   there the jobs whose worker died, so they run again next rather than behind the whole queue.
-- Remote control and task events on: ``celery -A auk_worker.service.queues.celery_app inspect ping`` is answered by an
-  idle worker (a solo worker renders in the process that answers, so not during a job), and Flower
+- Remote control and task events on: ``celery -A auk_worker.service.queues.celery_app inspect ping`` is answered by a
+  worker busy or idle (it renders in a pool thread beside its consumer: ``worker/main.py``), and Flower
   (``celery -A auk_worker.service.queues.celery_app flower``) sees workers, their heartbeats and every task from
   ``task-sent`` (published by the API) to ``task-succeeded``.
 

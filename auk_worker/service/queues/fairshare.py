@@ -9,8 +9,10 @@ key sends later for at most the tasks already released (about the depth), not un
 staged the order is its own, first in, first out.
 
 The feeder runs in every API process and every worker (a thread waking every ``FEED_INTERVAL_S``, and at once
-after a batch is staged or a worker finishes a task), one at a time under a lock in Redis, so the bulk queues move
-while any process of the service is up. A released task is recorded in ``auk:bulk:inflight`` until Celery has it;
+after a batch is staged or a worker finishes a bulk task), so the bulk queues move while any process of the service
+is up. Each wake asks in one script whether a staged queue has room or a release waits in flight (one command, the
+usual idle answer being no); only then does it feed, one feeder at a time under a lock in Redis. A queue with
+nothing staged leaves ``auk:bulk:queues`` until a batch is staged for it again. A released task is recorded in ``auk:bulk:inflight`` until Celery has it;
 a feeder that dies between the two leaves it there, and the next feeder sends it again after
 ``INFLIGHT_STALE_S`` (at least once: a worker skips a job whose record is already finished).
 
@@ -50,6 +52,7 @@ class FairShare:
         self._stage = client.register_script(scripts.FAIR_STAGE)
         self._release = client.register_script(scripts.FAIR_RELEASE)
         self._unlock = client.register_script(scripts.UNLOCK)
+        self._plan = client.register_script(scripts.FAIR_PLAN)
 
     def _ring(self, queue: str) -> str:
         return f"{self.ns}:bulk:{queue}:ring"
@@ -78,14 +81,18 @@ class FairShare:
 
     def feed(self, send: Send) -> int:
         """Top every bulk queue up to the depth, round-robin across keys; returns the tasks sent. Does nothing while
-        another feeder holds the lock."""
+        another feeder holds the lock, and takes no lock when there is nothing to do (one command)."""
+        inflight, *queues = self._plan(keys=[self._queues, self._inflight], args=[f"{self.ns}:bulk:", self.depth])
+        if not queues and not int(inflight):
+            return 0
         token = uuid.uuid4().hex
         if not self.redis.set(f"{self.ns}:bulk:feeder", token, nx=True, px=LOCK_MS):
             return 0
         sent = 0
         try:
-            self._resend_stale(send)
-            for queue in sorted(self.redis.smembers(self._queues)):
+            if int(inflight):
+                self._resend_stale(send)
+            for queue in sorted(queues):
                 room = self.depth - int(self.redis.llen(queue))  # the Celery queue: a Redis list named after it
                 if room <= 0:
                     continue
@@ -104,8 +111,6 @@ class FairShare:
         self.redis.hdel(self._inflight, item)
 
     def _resend_stale(self, send: Send) -> None:
-        if not self.redis.hlen(self._inflight):  # the usual case: every released task was sent
-            return
         now = time.time()
         for item, released in self.redis.hgetall(self._inflight).items():
             if now - float(released) > INFLIGHT_STALE_S:

@@ -355,3 +355,20 @@ redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
 redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
 return tostring(wait)
 """
+
+
+# What a bulk feed has to do, in one command (a feeder wakes every FEED_INTERVAL_S in every process): the staged
+# queues whose Celery queue has room, and whether anything waits in the in-flight hash. KEYS: the set of staged
+# queues, the in-flight hash. ARGV: the ring prefix, the depth. A queue with nothing staged leaves the set (staging
+# adds it back).
+FAIR_PLAN = """
+local out = {redis.call('HLEN', KEYS[2])}
+for _, queue in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('LLEN', ARGV[1] .. queue .. ':ring') == 0 then
+    redis.call('SREM', KEYS[1], queue)
+  elseif redis.call('LLEN', queue) < tonumber(ARGV[2]) then
+    out[#out + 1] = queue
+  end
+end
+return out
+"""

@@ -39,6 +39,15 @@ log = logging.getLogger(__name__)
 
 FAILED_TTL_S = 300  # a failed worker's last word stays readable for a while after the process is gone
 
+# One write of the heartbeat, one command (a state change comes with every job, twice). KEYS: the hash, the index.
+# ARGV: ttl, worker id, then field, value pairs.
+_WRITE = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
 
 class Heartbeat:
     """Publishes one worker's state; ``set`` writes at once, the thread refreshes it until ``stop``."""
@@ -79,6 +88,8 @@ class Heartbeat:
         self._wake = threading.Event()  # a state change: write now, off the caller's thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._script = client.register_script(_WRITE)
+        self._beat_at = 0.0  # monotonic: the last run of ``on_beat``
 
     @property
     def state(self) -> str:
@@ -141,7 +152,9 @@ class Heartbeat:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            if self._write() and self.on_beat is not None:
+            # The chore runs every interval, not after each state change's write (two a job).
+            if self._write() and self.on_beat is not None and time.monotonic() - self._beat_at >= self.interval_s:
+                self._beat_at = time.monotonic()
                 try:
                     self.on_beat()
                 except Exception:  # noqa: BLE001 - a chore's failure must not stop the heartbeat
@@ -162,11 +175,8 @@ class Heartbeat:
         fields, stalled_for = self._snapshot()
         ttl = FAILED_TTL_S if fields["state"] == "failed" else self.ttl_s
         try:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hset(self.key, mapping=fields)
-            pipe.expire(self.key, ttl)
-            pipe.sadd(self.index, self.worker_id)
-            pipe.execute()
+            self._script(keys=[self.key, self.index],
+                         args=[ttl, self.worker_id, *(item for pair in fields.items() for item in pair)])  # fmt: skip
         except redis.RedisError as exc:  # the heartbeat must never take the worker down
             log.warning("worker %s: heartbeat not written: %s", self.worker_id, exc)
             return False

@@ -1,13 +1,21 @@
 """``auk worker``: one Celery worker process per GPU that loads the pipeline once and then serves jobs.
 
 Order of start-up: settings are validated, the heartbeat goes up as ``starting``, the pipeline loads in this
-process (the solo pool renders in the main process, so nothing forks after CUDA is initialised), and only then
-does the consumer start; the heartbeat says ``ready`` once Celery is consuming. A pipeline that fails to load
-leaves the heartbeat at ``failed`` with the error, and the process exits with status 1.
+process (nothing forks after CUDA is initialised), and only then does the consumer start; the heartbeat says
+``ready`` once Celery is consuming. A pipeline that fails to load leaves the heartbeat at ``failed`` with the
+error, and the process exits with status 1.
+
+**One render at a time, off the consumer's thread.** Celery's threads pool with concurrency 1 and prefetch 1: the
+consumer's event loop stays in the main thread (it answers ``inspect ping`` and remote control, sends the
+``worker-heartbeat`` events Flower counts a worker online by, and handles signals) while one pool thread renders.
+The task's ``task-started`` event goes out as that thread takes the task. The pipeline was loaded (and its CUDA
+graphs captured, its kernels compiled) in the main thread; the render thread pins the pipeline's CUDA device first
+(the current device is per thread). Celery's time limits need the prefork pool and are not used.
 
 The worker consumes only its variant's queues, recovery before interactive before bulk, and runs a bulk
-feeder (``fairshare.py``) that releases staged batch tasks round-robin across keys. SIGTERM is Celery's warm
-shutdown: the running job finishes and is acknowledged, then the process exits.
+feeder (``fairshare.py``) that releases staged batch tasks round-robin across keys. SIGTERM (or Ctrl-C) is a
+graceful stop (``stopping.py``): the running job finishes within ``AUK_STOP_GRACE``, else goes back to the queue as
+an operator stop that counts no crash; the log says which.
 
 Identity: ``AUK_WORKER_ID`` (or ``--worker-id``, alias ``--hostname``) names the heartbeat; by default it is
 ``"<host name>-gpu<first CUDA index of the deploy config>"``, or ``"<host name>-cpu"`` without CUDA (the instant
@@ -30,6 +38,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import redis
@@ -52,6 +61,7 @@ from auk_worker.service.delivery.replies import ReplySender
 from auk_worker.service.connect.settings import VARIANTS, Settings, worker_id_or_none
 from auk_worker.service.connect.storage import Storage
 from auk_worker.service.worker.runtime import Pipeline, RenderRuntime
+from auk_worker.service.worker.stopping import GracefulStop
 from auk_worker.service.worker.tasks import register
 from auk_worker.voice_cache import VoiceCache
 
@@ -79,8 +89,8 @@ def default_worker_id(settings: Settings, deploy=None) -> str:
 def consumer_watch(heartbeat: Heartbeat) -> type[bootsteps.StartStopStep]:
     """A consumer bootstep that tells ``heartbeat`` every ``TICK_S`` from the event loop whether the consumer can
     take a message (its channel has prefetch room, so it has asked Redis for one or is about to). The loop does
-    not tick while it reconnects or while a job renders (the solo pool renders inside it); the heartbeat allows
-    for the latter."""
+    not tick while it reconnects; while a job renders (in the pool's thread) it ticks that it cannot consume, and
+    the heartbeat, saying ``busy``, does not count that against it."""
 
     class ConsumerWatch(bootsteps.StartStopStep):
         requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -215,19 +225,22 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     barrier = ReplicationBarrier.from_settings(client, settings) if settings.redis_wait_replicas else None
     voice_cache = VoiceCache(settings.voice_cache_bytes)
     pipeline.voice_cache = voice_cache  # the pipeline keeps a voice's prepared pieces in the same cache
+    stop = GracefulStop(records, heartbeat.holder, variant, _sender(app), settings.stop_grace_s, worker_id)
     runtime = RenderRuntime(settings, pipeline, records, storage, heartbeat, barrier=barrier,
                             holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
-                            notifier=notifier, voice_cache=voice_cache)  # fmt: skip
+                            notifier=notifier, voice_cache=voice_cache, stop=stop)  # fmt: skip
     _serve_metrics(runtime.metrics, settings, pipeline, client, heartbeat, worker_id)
     register(app, runtime)
     feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
-    signals.task_postrun.connect(feeder.nudge, weak=False)  # a finished task makes room in the bulk queue
+    signals.task_postrun.connect(_after_bulk_task(feeder), weak=False)  # a bulk task done makes room in its queue
 
     def on_ready(**_: object) -> None:
         heartbeat.set("ready")
         log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
 
     signals.worker_ready.connect(on_ready, weak=False)
+    signals.worker_shutting_down.connect(lambda how="Warm", **_: stop.requested(how), weak=False)
+    signals.task_prerun.connect(_render_thread_setup(pipeline), weak=False)
     signals.task_received.connect(_note_delivery(store, heartbeat.holder), weak=False)
     if barrier is not None:
 
@@ -244,13 +257,13 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     worker = app.Worker(
         hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),
-        pool_cls="solo",
+        pool_cls="threads",  # one render thread; the consumer keeps the main thread (see the module docstring)
         concurrency=1,
         prefetch_multiplier=1,
         loglevel=loglevel,
         without_gossip=True,
         without_mingle=True,
-        without_heartbeat=False,  # worker-heartbeat events: Flower's "online" between jobs (health.py has ours)
+        without_heartbeat=False,  # worker-heartbeat events: Flower's "online", sent during renders too
         quiet=True,
     )
     try:
@@ -259,6 +272,34 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
         feeder.stop()
         heartbeat.stop(remove=True)
     return int(worker.exitcode or 0)
+
+
+def _after_bulk_task(feeder: Feeder):
+    """A ``task_postrun`` handler: nudge the feeder when the task came from a bulk queue (an interactive one made
+    no room there; the feeder's own wake-up covers the rest)."""
+
+    def nudge(task=None, **_: object) -> None:
+        routing_key = ((getattr(getattr(task, "request", None), "delivery_info", None) or {}).get("routing_key") or "")
+        if not routing_key or routing_key.endswith(".bulk"):
+            feeder.nudge()
+
+    return nudge
+
+
+def _render_thread_setup(pipeline: Pipeline):
+    """A ``task_prerun`` handler (it runs in the render thread): pin the pipeline's CUDA device there once."""
+    pinned = threading.local()
+
+    def setup(**_: object) -> None:
+        if getattr(pinned, "done", False):
+            return
+        pinned.done = True
+        torch = sys.modules.get("torch")  # only the real pipeline loads torch
+        device = getattr(pipeline, "device", None)
+        if torch is not None and getattr(device, "type", None) == "cuda":
+            torch.cuda.set_device(device)
+
+    return setup
 
 
 def _sender(app):
@@ -280,8 +321,8 @@ def _serve_metrics(metrics: WorkerMetrics, settings: Settings, pipeline: Pipelin
         return float(ts) if ts else None
 
     metrics.watch_heartbeat(heartbeat_ts)
-    metrics.serve(settings.metrics_port)
-    log.info("worker %s: metrics on port %d", worker_id, settings.metrics_port)
+    metrics.serve(settings.metrics_port, settings.metrics_host)
+    log.info("worker %s: metrics on %s:%d", worker_id, settings.metrics_host, settings.metrics_port)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -294,8 +335,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="this worker's id, which names its heartbeat (default: AUK_WORKER_ID, else "
                              "<host name>-gpu<first CUDA index of the deploy config>, or <host name>-cpu)")  # fmt: skip
     parser.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING, ... (default INFO)")
-    parser.add_argument("--pool", default="solo", choices=["solo"],
-                        help="solo: jobs run in this process, where the model is loaded (the only choice)")  # fmt: skip
+    parser.add_argument("--pool", default="threads", choices=["threads"],
+                        help="threads: one render thread in this process, where the model is loaded, beside the "
+                             "consumer (the only choice)")  # fmt: skip
     return parser
 
 

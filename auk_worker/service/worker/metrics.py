@@ -73,7 +73,7 @@ class WorkerMetrics:
         """Export the heartbeat's age, read from Redis at each scrape by ``read_ts`` (epoch seconds or None)."""
         self.registry.register(_HeartbeatAge(read_ts))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Start the metrics HTTP server on a daemon thread; GPU memory is exported from then on."""
         self.registry.register(_GpuMemory())
         start_http_server(port, addr=addr, registry=self.registry)

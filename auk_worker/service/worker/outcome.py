@@ -40,6 +40,7 @@ from auk_worker.service.connect.storage import StorageWait
 from auk_worker.service.records.batches import write_results
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.worker.runtime import RenderRuntime, on_current_master
+from auk_worker.service.worker.stopping import OperatorStop
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,11 @@ def _empty_cuda_cache() -> None:
 def settle(rt: RenderRuntime, job_id: str, exc: BaseException) -> bool:
     """Record how an attempt at ``job_id`` ended with ``exc``. True for an infrastructure error (storage or Redis
     unreachable): the record is left as it is and the caller retries the job."""
-    if isinstance(exc, Canceled):
+    if isinstance(exc, OperatorStop):  # the worker's stop grace is over: back to the queue, not a crash
+        log.info("job %s: %s", job_id, exc)
+        if rt.stop is not None:
+            rt.stop.release(job_id)
+    elif isinstance(exc, Canceled):
         log.info("job %s: %s", job_id, exc)
         canceled(rt, job_id)
     elif isinstance(exc, RedisFailedOver):  # delivered by a demoted master: the new one still holds the message

@@ -22,6 +22,7 @@ from auk_worker.service.delivery.replies import ReplySender
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.worker.heartbeat import Heartbeat
 from auk_worker.service.worker.metrics import WorkerMetrics
+from auk_worker.service.worker.stopping import GracefulStop
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
 
@@ -57,6 +58,7 @@ class RenderRuntime:
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # served on AUK_METRICS_PORT when set
+    stop: GracefulStop | None = None  # the worker's stop: past its grace, a render stops and its job is released
 
 
 def on_current_master(rt: RenderRuntime, what: str, write: Callable[[], Any]) -> Any:
@@ -79,6 +81,8 @@ def cancel_check(rt: RenderRuntime, job_id: str) -> Any:
     unreachable too is no reason to drop what the worker holds, so it keeps waiting."""
 
     def check() -> None:
+        if rt.stop is not None:
+            rt.stop.check()
         try:
             canceled = rt.store.is_canceled(job_id)
         except redis.RedisError as exc:

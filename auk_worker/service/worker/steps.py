@@ -27,7 +27,9 @@ from auk_worker.types import RenderRequest, RenderResult
 log = logging.getLogger(__name__)
 
 _REQUEST_FIELDS = frozenset(JobRequest.model_fields) | {"output_format"}  # the older name of response_format
-PROGRESS_INTERVAL_S = 0.05  # a cancel is seen within this long (or one step, if steps are slower)
+# Progress (and the cancel check riding on it) is written at most this often, and at the last step: a render of
+# 0.3 s writes once, a long one twice a second. A cancel is seen within this long (or one step, if steps are slower).
+PROGRESS_INTERVAL_S = 0.5
 
 
 def begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
@@ -79,9 +81,11 @@ class Progress:
         self.rt = rt
         self.live = list(job_ids)
         self.on_cancel = on_cancel
-        self.last_write = 0.0
+        self.last_write = time.monotonic()  # the first write comes an interval into the render
 
     def __call__(self, step: int, total: int) -> None:
+        if self.rt.stop is not None:
+            self.rt.stop.check()  # the worker's stop grace is over: the job goes back to the queue
         now = time.monotonic()
         if step < total and now - self.last_write < PROGRESS_INTERVAL_S:
             return

@@ -38,7 +38,7 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     @app.task(name=RENDER_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
     def render(self: Task, job_id: str) -> None:
         started = time.perf_counter()
-        _busy(runtime, job_id)
+        _busy(runtime, [job_id])
         try:
             with job_context(job_id):
                 render_job(runtime, job_id)
@@ -57,7 +57,7 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
         if runtime.last_task_end is not None:  # Celery's share: ack, fetch and hand over the next message
             log.info("group of %d: %.1f ms since the previous task returned", len(job_ids),
                      (started - runtime.last_task_end) * 1000)  # fmt: skip
-        _busy(runtime, ",".join(job_ids))
+        _busy(runtime, job_ids)
         try:
             retry = render_group(runtime, job_ids)
         except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis went away between jobs: all again
@@ -74,14 +74,18 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     return render, render_group_task
 
 
-def _busy(rt: RenderRuntime, what: str) -> None:
+def _busy(rt: RenderRuntime, job_ids: list[str]) -> None:
+    if rt.stop is not None:
+        rt.stop.task_started(job_ids)
     if rt.heartbeat is not None:
-        rt.heartbeat.set("busy", what)
+        rt.heartbeat.set("busy", ",".join(job_ids))
 
 
 def _ready(rt: RenderRuntime) -> None:
     if rt.heartbeat is not None:
         rt.heartbeat.set("ready")
+    if rt.stop is not None:
+        rt.stop.task_ended()
 
 
 def _retry_or_fail(task: Task, rt: RenderRuntime, stopped: dict[str, Exception], args_for: Any) -> None:
