@@ -6,7 +6,8 @@ botocore or connection error leaves this module as ``InfraError`` with the cause
 ``InputError`` (the caller named a key that does not exist).
 
 Key layout under the settings' prefix: ``jobs/<job id>.<format extension>`` (``.wav``, ``.flac``, ``.mp3``,
-``.opus``, ``.pcm``), ``uploads/<upload id>``, ``voices/<voice id>``, ``clips/<owner>/<sha256>`` (a speech
+``.opus``, ``.pcm``; ``jobs/<job id>.attempt-<n>.<extension>`` for a job's attempt n > 1, ``attempts.py``: the record
+names the key that counts), ``uploads/<upload id>``, ``voices/<voice id>``, ``clips/<owner>/<sha256>`` (a speech
 request's inline reference clip), ``jobs/batch-<batch id>.manifest.jsonl`` (the manifest sits next to the audio).
 
 ``StorageWait`` is how a worker lives through an outage: a storage call that fails with ``InfraError`` is tried

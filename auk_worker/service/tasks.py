@@ -53,6 +53,7 @@ from celery import Celery, Task
 from auk_worker import formats, rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory, StorageUnavailable
+from auk_worker.service.attempts import ResultNotes, attempt_key
 from auk_worker.service.batches import write_results
 from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
@@ -64,7 +65,7 @@ from auk_worker.service.logs import job_context
 from auk_worker.service.metrics import WorkerMetrics
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
-from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
+from auk_worker.service.storage import Storage, StorageWait, input_object, upload_key
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
 
@@ -131,7 +132,7 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
             rt.replies.audio(job_id, encoded[1], fmt=encoded[0].name, content_type=encoded[0].mime_type,
                              timings=timings)  # fmt: skip
         stages = {"fetch": fetched - started, "render": encoding - rendering}
-        return _store_result(rt, job_id, request, result, wait, stages, started, encoded)
+        return _store_result(rt, job_id, record.attempts, request, result, wait, stages, started, encoded)
 
 
 def _begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
@@ -211,19 +212,22 @@ def _encode(request: JobRequest, result: RenderResult) -> tuple[formats.AudioFor
 
 
 def _store_result(
-    rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait,
+    rt: RenderRuntime, job_id: str, attempt: int, request: JobRequest, result: RenderResult, wait: StorageWait,
     stages: dict[str, float], started: float,
     encoded: tuple[formats.AudioFormat, bytes] | None = None,
 ) -> JobRecord | None:
-    """Upload the audio (through ``wait``: an outage is waited out with the audio in hand) and record the success
-    (and the batch manifest when this was the batch's last job).
+    """Upload the audio to this attempt's own object (through ``wait``: an outage is waited out with the audio in
+    hand) and record the success naming it (and the batch manifest when this was the batch's last job). An attempt
+    that no longer holds the job deletes its object: it never replaces the one the record names (``attempts.py``).
 
     ``stages``: seconds so far by stage (the upload is added); ``started``: perf_counter when the job began."""
     uploading = time.perf_counter()
     spec, data = encoded or _encode(request, result)
-    key = result_key(rt.settings.s3_prefix, job_id, spec.extension)
+    key = attempt_key(rt.settings.s3_prefix, job_id, attempt, spec.extension)
+    notes = ResultNotes(rt.store.redis, rt.store.ns)
     metadata = _metadata(job_id, request, result, rt.pipeline.variant)
     storing = time.perf_counter()
+    notes.writing(key)
     wait.call(f"upload {key}", lambda: rt.storage.put_bytes(key, data, spec.mime_type, metadata),
               _cancel_check(rt, job_id))  # fmt: skip
     result.timings["store"] = time.perf_counter() - storing
@@ -235,11 +239,14 @@ def _store_result(
             log.info("job %s: canceled during upload; removing %s", job_id, key)
             rt.metrics.outcome("canceled")
             wait.call(f"remove {key}", lambda: rt.storage.delete(key))
-        else:  # taken from this attempt: the key is the job's one object, which its current attempt writes too
-            log.warning("job %s: no longer held by this worker (%s); its result is not recorded", job_id,
-                        current.status.value if current else "no record")  # fmt: skip
+        elif current is None or (current.result or {}).get("key") != key:  # taken from this attempt
+            log.warning("job %s: no longer held by this worker (%s); its result is not recorded and its object %s "
+                        "is removed", job_id, current.status.value if current else "no record", key)  # fmt: skip
+            wait.call(f"remove {key}", lambda: rt.storage.delete(key))
+        _settled(notes, key)
         _after_terminal(rt, job_id, current)
         return current
+    _settled(notes, key)
     stages = {**stages, "upload": time.perf_counter() - uploading,
               **{name: s for name, s in result.timings.items() if name != "total"}}  # the pipeline's own stages
     rt.metrics.succeeded(stages, time.perf_counter() - started)
@@ -327,7 +334,8 @@ def _render_members(
                 return None
             if isinstance(result, Exception):
                 raise result
-            _store_result(rt, job_id, member.request, result, wait, {"render": rendered - started}, started)
+            _store_result(rt, job_id, member.record.attempts, member.request, result, wait,
+                          {"render": rendered - started}, started)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - recorded per job
             return exc
         return None
@@ -341,6 +349,15 @@ def _render_members(
         if exc is not None:
             _settle_into(rt, member.job_id, exc, retry)
     return retry
+
+
+def _settled(notes: ResultNotes, key: str) -> None:
+    """The note of ``key``'s upload goes once the record named it or the object was removed; a note left behind
+    (Redis away) is dropped by the retention sweep."""
+    try:
+        notes.recorded(key)
+    except redis.RedisError as exc:
+        log.warning("%s: upload note not cleared (%s); the retention sweep will", key, exc)
 
 
 def _on_current_master(rt: RenderRuntime, what: str, write: Callable[[], Any]) -> Any:
