@@ -13,10 +13,11 @@ import redis
 from celery import Celery
 from fastapi import Request
 
+from auk_worker.service.audit import CachedAudit
 from auk_worker.service.batches import BatchBook
 from auk_worker.service.celery_app import make_celery
 from auk_worker.service.fairshare import FairShare
-from auk_worker.service.jobs import JobStore
+from auk_worker.service.jobs import JobStore, owner_id
 from auk_worker.service.notify import Notifier, NotifyingJobStore
 from auk_worker.service.redis_client import ReplicationBarrier, redis_client
 from auk_worker.service.replies import ReplyWaiter
@@ -49,6 +50,7 @@ class Services:
     voices: VoiceStore
     replies: ReplyWaiter  # the speech endpoint's wait for its audio (binary, asyncio)
     fair: FairShare
+    audit: CachedAudit  # queued jobs with no message, the oldest queued job's age (/readyz, /metrics)
 
     def send(self, task: str, args: list, queue: str) -> None:
         """Send a task by name (the bulk feeder's way to Celery)."""
@@ -79,6 +81,7 @@ def build_services(settings: Settings) -> Services:
         voices=VoiceStore(client),
         replies=ReplyWaiter.from_settings(settings),
         fair=FairShare(client, settings.bulk_queue_depth),
+        audit=CachedAudit(client, [owner_id(key) for key in settings.api_keys]),
     )
 
 

@@ -13,6 +13,8 @@ and read from Redis at each scrape, so every API replica reports the same cluste
 - ``auk_jobs_submitted_total``, ``auk_jobs_finished_total{status}``: jobs since the store was created;
 - ``auk_jobs_unfinished``: jobs submitted and not yet finished (queued or running);
 - ``auk_workers{state}``: workers by heartbeat state; ``auk_redis_up``: whether those reads answered.
+- ``auk_jobs_queued_without_message``: queued jobs whose message is nowhere (should always be 0), and
+  ``auk_jobs_oldest_queued_age_seconds``: from the queue audit (``audit.py``: bounded reads, cached 10 s).
 
 Worker (an HTTP server on ``AUK_METRICS_PORT``, in the process that renders):
 
@@ -43,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from auk_worker.service.audit import CachedAudit
 from auk_worker.service.celery_app import worker_queues
 from auk_worker.service.health import STATES as WORKER_STATES
 from auk_worker.service.health import read_heartbeats
@@ -137,13 +140,13 @@ class ApiMetrics:
     """The API's request metrics and its scrape-time reads of Redis, in their own registry."""
 
     def __init__(self, client: redis.Redis, stats_key: str, namespace: str = "auk",
-                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+                 registry: CollectorRegistry | None = None, audit: CachedAudit | None = None) -> None:  # fmt: skip
         self.registry = registry or CollectorRegistry()
         self.requests = Counter("auk_api_requests", "HTTP requests by route template and status",
                                 ["method", "route", "status"], registry=self.registry)  # fmt: skip
         self.latency = Histogram("auk_api_request_duration_seconds", "Seconds from a request to its response's end",
                                  ["method", "route"], buckets=REQUEST_BUCKETS, registry=self.registry)  # fmt: skip
-        self.registry.register(_ServiceState(client, stats_key, namespace))
+        self.registry.register(_ServiceState(client, stats_key, namespace, audit))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()
@@ -153,7 +156,8 @@ class ApiMetrics:
 class _ServiceState(Collector):
     """Queue depths, job counts and worker states, read from Redis when scraped."""
 
-    def __init__(self, client: redis.Redis, stats_key: str, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, stats_key: str, namespace: str, audit: CachedAudit | None = None) -> None:
+        self.audit = audit
         self.client = client
         self.stats_key = stats_key
         self.namespace = namespace
@@ -192,6 +196,13 @@ class _ServiceState(Collector):
         yield finished
         yield GaugeMetricFamily("auk_jobs_unfinished", "Jobs submitted and not finished (queued or running)",
                                 value=max(0, submitted - done))  # fmt: skip
+        audit = self.audit.get() if self.audit is not None else None
+        if audit is not None:
+            yield GaugeMetricFamily("auk_jobs_queued_without_message", "Queued jobs whose message is in no queue, "
+                                    "no unacknowledged set and no staged list (should be 0; audit.py)",
+                                    value=audit.queued_without_message)  # fmt: skip
+            yield GaugeMetricFamily("auk_jobs_oldest_queued_age_seconds", "Seconds the oldest queued job has waited",
+                                    value=audit.oldest_queued_age_s or 0.0)  # fmt: skip
         workers = GaugeMetricFamily("auk_workers", "Workers by heartbeat state", labels=["state"])
         for state in WORKER_STATES:
             workers.add_metric([state], sum(1 for beat in beats if beat.get("state") == state))
