@@ -104,7 +104,7 @@ def create_app(settings: Settings) -> FastAPI:
         rate=rate,
         slots=KeySlots(settings.quota_in_flight, settings.quota_in_flight_queue) if settings.quota_in_flight else None,
     )
-    app.state.metrics = ApiMetrics(built.redis, built.store.stats_key())
+    app.state.metrics = ApiMetrics(built.redis, built.store.stats_key(), audit=built.audit)
     app.add_middleware(RequestMetricsMiddleware, metrics=app.state.metrics)  # outermost: a 413 is counted too
     return app
 

@@ -13,6 +13,7 @@ import redis
 from celery import Celery
 from fastapi import Request
 
+from auk_worker.service.ops.audit import CachedAudit
 from auk_worker.service.records.batches import BatchBook
 from auk_worker.service.queues.celery_app import make_celery
 from auk_worker.service.queues.fairshare import FairShare
@@ -26,6 +27,7 @@ from auk_worker.service.records.uploads import UploadStore
 from auk_worker.service.records.voices import VoiceStore
 from auk_worker.service.delivery.webhooks.dispatch import WebhookDispatcher
 from auk_worker.service.delivery.webhooks.store import RetryPolicy, WebhookSecrets, WebhookStore
+from auk_worker.service.records.jobs import owner_id
 from auk_worker.urlguard import UrlGuard, UrlPolicy
 
 REDIS_TIMEOUT_S = 5.0
@@ -50,6 +52,7 @@ class Services:
     voices: VoiceStore
     replies: ReplyWaiter  # the speech endpoint's wait for its audio (binary, asyncio)
     fair: FairShare
+    audit: CachedAudit  # queued jobs with no message, the oldest queued job's age (/readyz, /metrics)
 
     def send(self, task: str, args: list, queue: str) -> None:
         """Send a task by name (the bulk feeder's way to Celery)."""
@@ -80,6 +83,7 @@ def build_services(settings: Settings) -> Services:
         voices=VoiceStore(client),
         replies=ReplyWaiter.from_settings(settings),
         fair=FairShare(client, settings.bulk_queue_depth),
+        audit=CachedAudit(client, [owner_id(key) for key in settings.api_keys]),
     )
 
 

@@ -12,6 +12,8 @@ and read from Redis at each scrape, so every API replica reports the same cluste
 - ``auk_queue_backlog{variant, priority}``: render tasks waiting for a worker wherever they wait (the Celery queue,
   and for bulk the fair share's per-key lists: ``queues/backlog.py``), what the pools are scaled on;
 - ``auk_queue_rendering{variant, priority}``: render tasks busy workers render now;
+- ``auk_jobs_queued_without_message``: queued jobs whose message is nowhere (should always be 0), and
+  ``auk_jobs_oldest_queued_age_seconds``: from the queue audit (``ops/audit.py``: bounded reads, cached 10 s);
 - ``auk_queue_messages{queue}``: broker messages waiting per queue (a bulk message may carry a group of jobs);
 - ``auk_queue_unacked_messages``: messages delivered to workers and not yet acknowledged;
 - ``auk_jobs_submitted_total``, ``auk_jobs_finished_total{status}``: jobs since the store was created;
@@ -31,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from auk_worker.service.connect.settings import VARIANTS
+from auk_worker.service.ops.audit import CachedAudit
 from auk_worker.service.queues.backlog import Backlog
 from auk_worker.service.queues.celery_app import worker_queues
 from auk_worker.service.records.workers import STATES as WORKER_STATES
@@ -44,13 +47,13 @@ class ApiMetrics:
     """The API's request metrics and its scrape-time reads of Redis, in their own registry."""
 
     def __init__(self, client: redis.Redis, stats_key: str, namespace: str = "auk",
-                 registry: CollectorRegistry | None = None) -> None:  # fmt: skip
+                 registry: CollectorRegistry | None = None, audit: CachedAudit | None = None) -> None:  # fmt: skip
         self.registry = registry or CollectorRegistry()
         self.requests = Counter("auk_api_requests", "HTTP requests by route template and status",
                                 ["method", "route", "status"], registry=self.registry)  # fmt: skip
         self.latency = Histogram("auk_api_request_duration_seconds", "Seconds from a request to its response's end",
                                  ["method", "route"], buckets=REQUEST_BUCKETS, registry=self.registry)  # fmt: skip
-        self.registry.register(_ServiceState(client, stats_key, namespace))
+        self.registry.register(_ServiceState(client, stats_key, namespace, audit))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()
@@ -60,7 +63,8 @@ class ApiMetrics:
 class _ServiceState(Collector):
     """Queue depths, job counts and worker states, read from Redis when scraped."""
 
-    def __init__(self, client: redis.Redis, stats_key: str, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, stats_key: str, namespace: str, audit: CachedAudit | None = None) -> None:
+        self.audit = audit
         self.client = client
         self.stats_key = stats_key
         self.namespace = namespace
@@ -115,6 +119,13 @@ class _ServiceState(Collector):
                 rendering.add_metric([variant, priority], counts["rendering"])
         yield backlog
         yield rendering
+        audit = self.audit.get() if self.audit is not None else None
+        if audit is not None:
+            yield GaugeMetricFamily("auk_jobs_queued_without_message", "Queued jobs whose message is in no queue, "
+                                    "no unacknowledged set and no staged list (should be 0; ops/audit.py)",
+                                    value=audit.queued_without_message)  # fmt: skip
+            yield GaugeMetricFamily("auk_jobs_oldest_queued_age_seconds", "Seconds the oldest queued job has waited",
+                                    value=audit.oldest_queued_age_s or 0.0)  # fmt: skip
 
 
 class RequestMetricsMiddleware:

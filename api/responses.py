@@ -232,6 +232,15 @@ class BacklogView(BaseModel):
     flash: VariantBacklog
 
 
+class QueueView(BaseModel):
+    """The queue audit (``auk_worker/service/ops/audit.py``): counts and an age, never a job id."""
+
+    model_config = _OPEN
+    queued_without_message: int = Field(description="oldest queued jobs whose message is nowhere (should be 0)")
+    oldest_queued_age_s: float | None = Field(description="seconds the oldest queued job has waited; null: none")
+    checked: int = Field(description="oldest queued jobs the audit looked at")
+
+
 class Readiness(BaseModel):
     """Whether Redis and storage answer (200 ``ready``, else 503 ``unavailable``) and which workers are serving."""
 
@@ -241,3 +250,4 @@ class Readiness(BaseModel):
     storage: bool
     workers_ready: int
     workers: list[WorkerView]
+    queue: QueueView | None = Field(None, description="the queue audit; null while Redis does not answer")

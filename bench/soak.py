@@ -293,7 +293,7 @@ class Soak:
         report.attempts_max = max((r.attempts for r in records), default=0)
         wav_keys = [k for k in storage.list_keys(f"{settings.s3_prefix}jobs/") if k.endswith(".wav")]
         report.wavs = len(wav_keys)
-        expected = {f"{settings.s3_prefix}jobs/{r.id}.wav" for r in records if r.status == JobStatus.SUCCEEDED}
+        expected = {r.result["key"] for r in records if r.status == JobStatus.SUCCEEDED}  # each attempt its own key
         successes: dict[str, int] = {}
         for worker in self.workers:
             for job_id in SUCCEEDED_LINE.findall(worker.log.read_text(errors="replace")):

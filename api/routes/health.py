@@ -49,6 +49,8 @@ def readiness(svc: Services) -> JSONResponse:
             log.warning("readyz: heartbeats: %s", exc)
     ready = sum(1 for worker in workers if worker.get("state") in SERVING_STATES)
     ok = checks["redis"] and checks["storage"]
+    audit = svc.audit.get() if checks["redis"] else None  # counts and an age only: no job id
     body = {"status": "ready" if ok else "unavailable", **checks, "workers_ready": ready,
-            "workers": [public_view(worker) for worker in workers]}  # fmt: skip
+            "workers": [public_view(worker) for worker in workers],
+            "queue": audit.as_dict() if audit is not None else None}  # fmt: skip
     return JSONResponse(body, status_code=200 if ok else 503)

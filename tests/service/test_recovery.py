@@ -19,6 +19,7 @@ import pytest
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.records.objects import result_key
+from auk_worker.service.records.attempts import ResultNotes, attempt_key
 from tests.service.harness import ApiProcess, WorkerProcess, free_port, wait_until
 from tests.service.test_worker import submit, wait_for, wait_terminal, wavs
 
@@ -138,8 +139,8 @@ def test_a_dead_workers_job_runs_again_within_30_s(env, redis_client, store, set
                 victim.start().wait_state(redis_client, "ready", timeout=60)  # as a supervisor would
         for name, recovered, finished in figures:
             print(f"\n{name}: running again after {recovered:.1f} s, succeeded after {finished:.1f} s")
-        assert sorted(wavs(storage, settings)) == sorted(
-            result_key(settings.s3_prefix, r.id) for r in map(store.get, _job_ids(store)))
+        assert sorted(wavs(storage, settings)) == sorted(r.result["key"] for r in map(store.get, _job_ids(store)))
+        assert all(r.result["key"] == attempt_key(settings.s3_prefix, r.id, 2) for r in map(store.get, _job_ids(store)))
         assert all(w.proc.poll() is None for w in workers)  # both still serving afterwards
         assert "no longer held by this worker" in "".join(w.log_tail(200_000) for w in workers)
     finally:
@@ -147,6 +148,64 @@ def test_a_dead_workers_job_runs_again_within_30_s(env, redis_client, store, set
             if worker.proc is not None and worker.proc.poll() is None:
                 os.kill(worker.pid, signal.SIGCONT)
             worker.terminate(timeout=20)
+
+
+def test_a_worker_frozen_in_its_upload_never_replaces_the_recorded_result(
+    env, redis_client, store, settings, storage, s3_server, tmp_path
+) -> None:
+    """Issue 44: a worker frozen (SIGSTOP) during its upload loses the job to another worker; woken after the job
+    succeeded there, it finishes its upload. Each attempt writes its own object and the record names the one that
+    counts: the woken attempt's upload replaces nothing, its end is refused, and it deletes its own object. A note
+    of an upload whose end was never recorded is swept by retention."""
+    env = {**env, "AUK_STORAGE_RETRY_DEADLINE": "120", "AUK_STORAGE_RETRY_BACKOFF": "0.2",
+           "AUK_STORAGE_RETRY_BACKOFF_MAX": "1"}  # fmt: skip
+    frozen = WorkerProcess(env, "w-frozen", tmp_path).start()
+    other = WorkerProcess(env, "w-other", tmp_path)
+    try:
+        frozen.wait_state(redis_client, "ready", timeout=60)
+        job = submit(store, settings, gen_seconds=0.5, num_inference_steps=20)
+        running_on(store, job.id, [frozen])
+        s3_server.stop()  # its upload waits for storage, with the audio in hand
+        try:
+            wait_for(store, job.id, lambda r: (r.progress or {}).get("step") == 20, 20, "its last step")
+            time.sleep(0.5)  # in StorageWait's loop
+            os.kill(frozen.pid, signal.SIGSTOP)
+            frozen_at = time.time()
+        finally:
+            s3_server.start()
+        other.start().wait_state(redis_client, "ready", timeout=60)
+        done = wait_terminal(store, job.id, timeout=60)
+        taken_s = float(done.held_at) - frozen_at
+        recorded = attempt_key(settings.s3_prefix, job.id, 2)
+        assert done.status == JobStatus.SUCCEEDED and done.attempts == 2 and done.result["key"] == recorded, done
+        before = storage.get_bytes(storage.bucket, recorded)
+        os.kill(frozen.pid, signal.SIGCONT)  # its upload goes on, to its own key
+        wait_until("the woken attempt removed its object",
+                   lambda: "its object" in frozen.log_tail(20_000) and "is removed" in frozen.log_tail(20_000), 60)
+        time.sleep(0.5)
+        assert wavs(storage, settings) == [recorded]  # attempt 1's object is gone, attempt 2's stands
+        assert storage.get_bytes(storage.bucket, recorded) == before
+        assert store.get(job.id).result["key"] == recorded
+        notes = ResultNotes(redis_client)
+        assert redis_client.zcard(notes.key) == 0
+        print(f"\nfrozen worker's job taken over after {taken_s:.1f} s; its woken upload removed, recorded object "
+              f"unchanged")  # fmt: skip
+
+        # An attempt killed between its upload and its record leaves a note and an object: retention deletes the
+        # object once its record has ended naming another key, and drops the note of the recorded one.
+        orphan = attempt_key(settings.s3_prefix, job.id, 3)
+        storage.put_bytes(orphan, b"RIFF", "audio/wav")
+        notes.writing(orphan)
+        notes.writing(recorded)
+        assert notes.sweep(store, storage, grace_s=3600) == 0  # too recent
+        assert notes.sweep(store, storage, grace_s=0) == 1
+        assert wavs(storage, settings) == [recorded] and redis_client.zcard(notes.key) == 0
+        assert all(w.proc.poll() is None for w in (frozen, other))
+    finally:
+        if frozen.proc is not None and frozen.proc.poll() is None:
+            os.kill(frozen.pid, signal.SIGCONT)
+        frozen.terminate(timeout=20)
+        other.terminate(timeout=20)
 
 
 def _job_ids(store: JobStore) -> list[str]:

@@ -19,6 +19,7 @@ import soundfile as sf
 
 from api.submit import record_request
 from auk_worker.rules import frames_for_seconds
+from auk_worker.service.records.attempts import attempt_key
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, queue_name
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
@@ -233,7 +234,7 @@ def test_sigkill_mid_job_second_worker_finishes_it(start_worker, store, settings
     done = wait_terminal(store, job.id, timeout=40)
     assert done.status == JobStatus.SUCCEEDED, done.error
     assert done.attempts == 2 and done.kills == 1
-    assert wavs(storage, settings) == [result_key(settings.s3_prefix, job.id)]
+    assert wavs(storage, settings) == [attempt_key(settings.s3_prefix, job.id, 2)] == [done.result["key"]]
     assert len(read_wav(storage, done.result["key"])[0]) == expected_samples(0.8)
     wait_for(store, job.id, lambda r: broker_idle(redis_client), 10, "the broker to drain")
 

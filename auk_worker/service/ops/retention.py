@@ -15,7 +15,9 @@ What Redis cannot expire on its own is swept here every ``AUK_RETAIN_SWEEP_INTER
 - a finished record, idempotency key or upload record that has no TTL (written before retention was configured,
   or by a process that died between its transition and its TTL) gets one;
 - objects: a bucket lifecycle rule per prefix where the store takes one and the period is whole days; otherwise the
-  sweeper lists ``<prefix>uploads/`` and ``<prefix>jobs/`` and deletes what is older than the period.
+  sweeper lists ``<prefix>uploads/`` and ``<prefix>jobs/`` and deletes what is older than the period;
+- orphaned results: the object of an attempt that lost its job and could not delete it (``attempts.py``: the
+  notes of uploads whose end was never recorded, checked an hour after the upload).
 
 The API runs the sweeper in a background thread (one API replica per interval holds a Redis lock); ``python -m
 auk_worker.service.ops.retention [--once] [--all-objects]`` runs it alone.
@@ -36,6 +38,7 @@ from typing import Any
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
+from auk_worker.service.records.attempts import ResultNotes
 from auk_worker.service.records.jobs import JobStatus, TERMINAL
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.connect.settings import Settings
@@ -210,11 +213,19 @@ class Sweeper:
             report.objects_deleted[prefix] = deleted
 
     # -- running ------------------------------------------------------------------------------------------------
+    def sweep_orphaned_results(self, report: SweepReport) -> None:
+        if self.storage is None:
+            return
+        deleted = ResultNotes(self.redis, self.store.ns).sweep(self.store, self.storage)
+        if deleted:
+            report.objects_deleted["orphaned results"] = deleted
+
     def sweep(self) -> SweepReport:
         report = SweepReport()
         self.sweep_indexes(report)
         self.sweep_uploads(report)
         self.sweep_objects(report)
+        self.sweep_orphaned_results(report)
         log.info("retention: %s", report)
         return report
 

@@ -70,7 +70,8 @@ def wake_key(queue: str) -> str:
 
 
 # KEYS: the queue lists in polling order (n of them), their wake lists, then unacked, unacked_index, the holder's
-# hash, the holders set. ARGV: n, now, holder. Returns {source list, payload} or false (the wake lists emptied).
+# hash, the holders set. ARGV: n, now, holder ('' for none). Returns {source list, payload} or false (the wake
+# lists emptied).
 FETCH = """
 local n = tonumber(ARGV[1])
 local base = #KEYS - 4
@@ -84,8 +85,10 @@ for i = 1, n do
                '[' .. item .. ',' .. cjson.encode(info['exchange'] or '') .. ',' ..
                cjson.encode(info['routing_key'] or '') .. ']')
     redis.call('ZADD', KEYS[base + 2], ARGV[2], tag)
-    redis.call('HSET', KEYS[base + 3], tag, ARGV[2] .. ' ' .. #item .. ' ' .. KEYS[i])
-    redis.call('SADD', KEYS[base + 4], ARGV[3])
+    if ARGV[3] ~= '' then
+      redis.call('HSET', KEYS[base + 3], tag, ARGV[2] .. ' ' .. #item .. ' ' .. KEYS[i])
+      redis.call('SADD', KEYS[base + 4], ARGV[3])
+    end
     return {KEYS[i], item}
   end
 end
@@ -141,7 +144,9 @@ class FetchingQoS:
 class FetchingChannel:
     """Redis channel mixin: fetch with ``FETCH`` (atomic), wait on wake lists, publish with a wake token."""
 
-    fetch_holder = "anonymous"  # transport option: the worker's "<worker id>/<instance id>"
+    # Transport option: the worker's "<worker id>/<instance id>". A consumer that names none (not a worker) keeps
+    # its fetches in kombu's unacked hash only, restored after the visibility timeout.
+    fetch_holder = ""
     fault_kill_after_fetch = 0  # transport option, tests only: SIGKILL this process right after its N-th fetch
     _wait_next = False  # the next poll waits on the wake lists (the last fetch found nothing)
     _fetches = 0

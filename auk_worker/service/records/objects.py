@@ -1,7 +1,8 @@
 """The stored objects' keys, and where a caller's input may be read from.
 
 Key layout under the settings' prefix (``AUK_S3_PREFIX``), in the results bucket: ``jobs/<job id>.<format
-extension>`` (``.wav``, ``.flac``, ``.mp3``, ``.opus``, ``.pcm``), ``uploads/<upload id>``, ``voices/<voice id>``,
+extension>`` (``.wav``, ``.flac``, ``.mp3``, ``.opus``, ``.pcm``; ``jobs/<job id>.attempt-<n>.<extension>`` for a
+job's attempt n > 1, ``attempts.py``: the record names the key that counts), ``uploads/<upload id>``, ``voices/<voice id>``,
 ``clips/<owner>/<sha256>`` (a speech request's inline reference clip), ``jobs/batch-<batch id>.manifest.jsonl`` and
 ``jobs/batch-<batch id>.errors.jsonl`` (a batch's results sit next to its audio).
 

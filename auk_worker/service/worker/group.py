@@ -99,7 +99,8 @@ def _render_members(
                 return None
             if isinstance(result, Exception):
                 raise result
-            store_result(rt, job_id, member.request, result, wait, {"render": rendered - started}, started)
+            store_result(rt, job_id, member.record.attempts, member.request, result, wait,
+                         {"render": rendered - started}, started)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - recorded per job
             return exc
         return None

@@ -60,9 +60,10 @@ def succeeded(rt: RenderRuntime, job_id: str, key: str, result: dict[str, Any], 
             log.info("job %s: canceled during upload; removing %s", job_id, key)
             rt.metrics.outcome("canceled")
             wait.call(f"remove {key}", lambda: rt.storage.delete(key))
-        else:  # taken from this attempt: the key is the job's one object, which its current attempt writes too
-            log.warning("job %s: no longer held by this worker (%s); its result is not recorded", job_id,
-                        current.status.value if current else "no record")  # fmt: skip
+        elif current is None or (current.result or {}).get("key") != key:  # taken from this attempt
+            log.warning("job %s: no longer held by this worker (%s); its result is not recorded and its object %s "
+                        "is removed", job_id, current.status.value if current else "no record", key)  # fmt: skip
+            wait.call(f"remove {key}", lambda: rt.storage.delete(key))
         ended_elsewhere(rt, job_id, current)
         return current
     record = transition.record

@@ -36,7 +36,8 @@ What keeps a job from running twice at once, or storing two WAVs:
 - Every later transition of an attempt (progress, finish, fail, requeue) names its holder and applies only while
   that holder holds the running record (fencing), so an attempt that was given up cannot record an end, and it
   stops at its next progress write.
-- Results have deterministic keys (``jobs/<job id>.wav``): a second upload of the same job overwrites its one WAV.
+- Each attempt uploads to its own key (``records/attempts.py``) and the finish names it, so an attempt that was given
+  up never replaces the object the record names; it deletes its own.
 
 Poison jobs: each death of a holder counts one kill on the record (in ``release`` or in ``start``, whichever
 comes first). A job started with ``AUK_MAX_KILLS`` kills fails with ``worker_crashed`` instead of rendering, also

@@ -39,4 +39,4 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
                                                   "render": encoding - rendering,
                                                   "encode": time.perf_counter() - encoding})
         stages = {"fetch": fetched - started, "render": encoding - rendering}
-        return store_result(rt, job_id, request, result, wait, stages, started, encoded)
+        return store_result(rt, job_id, record.attempts, request, result, wait, stages, started, encoded)

@@ -13,10 +13,13 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+import redis
+
 from auk_worker import formats, rules
 from auk_worker.audio import CheckedClip, decode_audio
 from auk_worker.errors import Canceled
 from auk_worker.service.connect.storage import StorageWait
+from auk_worker.service.records.attempts import ResultNotes, attempt_key
 from auk_worker.service.records.objects import input_object, result_key, upload_key
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.requests import JobRequest
@@ -111,25 +114,40 @@ def encode(request: JobRequest, result: RenderResult) -> tuple[formats.AudioForm
 
 
 def store_result(
-    rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait,
+    rt: RenderRuntime, job_id: str, attempt: int, request: JobRequest, result: RenderResult, wait: StorageWait,
     stages: dict[str, float], started: float,
     encoded: tuple[formats.AudioFormat, bytes] | None = None,
 ) -> JobRecord | None:
-    """Upload the audio (through ``wait``: an outage is waited out with the audio in hand) and settle the job's
-    success (``outcome.succeeded``).
+    """Upload the audio to this attempt's own object (through ``wait``: an outage is waited out with the audio in
+    hand) and settle the job's success naming it (``outcome.succeeded``). An attempt that no longer holds the job
+    deletes its object: it never replaces the one the record names (``records/attempts.py``).
 
     ``stages``: seconds so far by stage (the upload is added); ``started``: perf_counter when the job began."""
     uploading = time.perf_counter()
     spec, data = encoded or encode(request, result)
-    key = result_key(rt.settings.s3_prefix, job_id, spec.extension)
+    key = attempt_key(rt.settings.s3_prefix, job_id, attempt, spec.extension)
+    notes = ResultNotes(rt.store.redis, rt.store.ns)
+    notes.writing(key)
     metadata = _metadata(job_id, request, result, rt.pipeline.variant)
     storing = time.perf_counter()
     wait.call(f"upload {key}", lambda: rt.storage.put_bytes(key, data, spec.mime_type, metadata),
               cancel_check(rt, job_id))  # fmt: skip
     result.timings["store"] = time.perf_counter() - storing
     pipeline_stages = {name: s for name, s in result.timings.items() if name != "total"}  # the pipeline's own
-    return outcome.succeeded(rt, job_id, key, _result(rt, key, request, result, spec), wait,
-                             stages={**stages, **pipeline_stages}, started=started, uploading=uploading)
+    try:
+        return outcome.succeeded(rt, job_id, key, _result(rt, key, request, result, spec), wait,
+                                 stages={**stages, **pipeline_stages}, started=started, uploading=uploading)
+    finally:
+        _settled(notes, key)
+
+
+def _settled(notes: ResultNotes, key: str) -> None:
+    """The note of ``key``'s upload goes once the record named it or the object was removed; a note left behind
+    (Redis away) is dropped by the retention sweep."""
+    try:
+        notes.recorded(key)
+    except redis.RedisError as exc:
+        log.warning("%s: upload note not cleared (%s); the retention sweep will", key, exc)
 
 
 def load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | None) -> CheckedClip | None:

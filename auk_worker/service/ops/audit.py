@@ -1,0 +1,116 @@
+"""The queue audit: queued jobs with no message anywhere (always 0 when nothing is lost), and the oldest queued job's
+age. Read by the API's ``/metrics`` (``auk_jobs_queued_without_message``, ``auk_jobs_oldest_queued_age_seconds``)
+and its ``/readyz`` (``queue``).
+
+A job whose message is gone stays ``queued`` for ever (the window the atomic fetch closed, ``fetch.py``; a failover
+that kept the record but not the message, with asynchronous replication; a bug yet unknown), and so it becomes one
+of the oldest queued jobs. The audit therefore looks only at the oldest ones, at a cost that does not grow with the
+backlog:
+
+1. the ``OLDEST`` oldest queued jobs across the owners (``ZRANGE`` of each owner's ``status:queued`` index, scored
+   by creation time);
+2. those queued for more than ``GRACE_S`` are looked for, in one ``MULTI`` snapshot, among the ``DEPTH`` oldest
+   messages of every queue (the lists are first in, first out, so an old job's message sits near their oldest
+   end), every delivered and unacknowledged message (``unacked``: the workers' fetches and retries), and the
+   ``DEPTH`` first tasks staged for each owner in the bulk queues (``fairshare.py``). A message names its jobs in
+   its ``argsrepr`` header; a staged task in its arguments;
+3. one not found whose record still says ``queued`` after the snapshot has no message.
+
+A job can hide deeper than ``DEPTH`` in a queue only behind more than ``DEPTH`` messages that are older still and
+whose jobs are no longer queued (a mass cancel leaves its messages until workers drop them): the audit then counts
+it until those are consumed. ``CACHE_S`` keeps scrapes from repeating the reads.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import redis
+
+from auk_worker.service.queues.celery_app import worker_queues
+from auk_worker.service.connect.settings import VARIANTS
+
+OLDEST = 100  # oldest queued jobs looked at
+DEPTH = 500  # oldest messages read per queue, first tasks per staged list
+GRACE_S = 60.0  # a job queued this long should have a message that a worker can see
+CACHE_S = 10.0
+_JOB_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
+
+
+@dataclass(frozen=True)
+class QueueAudit:
+    queued_without_message: int  # among the oldest queued jobs, those queued over GRACE_S with no message
+    oldest_queued_age_s: float | None  # None: nothing queued
+    checked: int  # oldest queued jobs looked at
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def audit_queue(client: redis.Redis, owners: Iterable[str], namespace: str = "auk",
+                now: float | None = None) -> QueueAudit:  # fmt: skip
+    """One audit (see the module's docstring); ``owners``: the owner ids whose queued jobs are looked at."""
+    now = time.time() if now is None else now
+    owners = sorted(set(owners))
+    pipe = client.pipeline(transaction=False)
+    for owner in owners:
+        pipe.zrange(f"{namespace}:owner:{owner}:status:queued", 0, OLDEST - 1, withscores=True)
+    queued = sorted(((score, _text(job)) for rows in pipe.execute() for job, score in rows))[:OLDEST]
+    if not queued:
+        return QueueAudit(0, None, 0)
+    oldest_age = max(0.0, now - queued[0][0] / 1000)
+    candidates = [job for score, job in queued if now - score / 1000 > GRACE_S]
+    missing = sorted(set(candidates) - _jobs_with_messages(client, owners, namespace)) if candidates else []
+    if missing:  # started (or ended) since the snapshot: not missing
+        pipe = client.pipeline(transaction=False)
+        for job in missing:
+            pipe.hget(f"{namespace}:job:{job}", "status")
+        missing = [job for job, status in zip(missing, pipe.execute()) if _text(status or "") == "queued"]
+    return QueueAudit(len(missing), round(oldest_age, 1), len(queued))
+
+
+def _jobs_with_messages(client: redis.Redis, owners: list[str], namespace: str) -> set[str]:
+    """The job ids that the oldest messages, the unacknowledged ones and the first staged tasks name (one MULTI)."""
+    queues = [queue for variant in VARIANTS for queue in worker_queues(variant)]
+    pipe = client.pipeline(transaction=True)
+    for queue in queues:
+        pipe.lrange(queue, -DEPTH, -1)
+    pipe.hvals("unacked")
+    for queue in queues:
+        for owner in owners:
+            pipe.lrange(f"{namespace}:bulk:{queue}:owner:{owner}", 0, DEPTH - 1)
+    found: set[str] = set()
+    for rows in pipe.execute():
+        for row in rows:
+            found.update(_JOB_ID.findall(_text(row)))
+    return found
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+class CachedAudit:
+    """``audit_queue`` at most once per ``CACHE_S`` (the scrape and ``/readyz`` share it); None while Redis fails."""
+
+    def __init__(self, client: redis.Redis, owners: Iterable[str], namespace: str = "auk") -> None:
+        self.client = client
+        self.owners = list(owners)
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._last: QueueAudit | None = None
+
+    def get(self) -> QueueAudit | None:
+        with self._lock:
+            if time.monotonic() - self._at >= CACHE_S:
+                try:
+                    self._last = audit_queue(self.client, self.owners, self.namespace)
+                except redis.RedisError:
+                    self._last = None
+                self._at = time.monotonic()
+            return self._last
