@@ -15,7 +15,10 @@ Fields, by origin:
 The instruction is chosen as vLLM-Omni's AuK adapter chooses it: a non-blank ``instructions`` is the whole AuK
 instruction (``input`` is then ignored); otherwise ``task_type`` ``Base`` makes ``Say the following with the same
 voice: "<input>"`` and ``CustomVoice`` makes ``Say the following: "<input>"`` (unless ``input`` already starts with
-one of those); otherwise ``input`` is the whole instruction. ``duration_seconds`` is required without a clip.
+one of those); otherwise ``input`` is the text to speak, as OpenAI means it (up to 4 096 characters; an input that
+is already one of AuK's speaking instructions stays the whole instruction): the service writes the instruction
+(zero-shot with a clip, a described voice without) and splits a long text into segments (``auk_worker/longform``).
+Without ``duration_seconds`` the length is estimated from the text.
 
 The clip is at most one of ``voice`` (a ``voice_id``), ``ref_audio`` (base64, a ``data:`` URL, or an ``http(s)``
 URL fetched only from hosts ``AUK_FETCH_ALLOW`` lists, through ``urlguard.py``) and ``audio``. An inline clip is
@@ -41,6 +44,8 @@ from api.submit import ClipResolver
 from auk_worker import formats, rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, TooLarge
+from auk_worker.longform.instructions import speaks
+from auk_worker.longform.text import MAX_SPEECH_TEXT_CHARS, clean_text
 from auk_worker.service.schema import AudioRef, JobRequest
 from auk_worker.service.storage import clip_key
 from auk_worker.types import SAMPLE_RATE
@@ -68,7 +73,7 @@ class SpeechRequest(BaseModel):
     ]})  # fmt: skip
 
     model: str | None = None
-    input: str = Field(default="", max_length=rules.MAX_INSTRUCTION_CHARS)
+    input: str = Field(default="", max_length=MAX_SPEECH_TEXT_CHARS)
     voice: str | dict[str, str] | None = None
     instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
     response_format: str = formats.DEFAULT_FORMAT
@@ -113,6 +118,13 @@ def instruction_of(body: SpeechRequest) -> str:
     if body.task_type in TASK_TEMPLATES and not text.startswith(tuple(TASK_TEMPLATES.values())):
         return TASK_TEMPLATES[body.task_type] + json.dumps(text, ensure_ascii=False)
     return text
+
+
+def is_plain_text(body: SpeechRequest) -> bool:
+    """``input`` is the text to speak (OpenAI's meaning) unless ``instructions`` or ``task_type`` is given (vLLM-Omni's
+    adapter) or ``input`` is already one of AuK's speaking instructions."""
+    has_instructions = bool(body.instructions and body.instructions.strip())
+    return not has_instructions and body.task_type is None and not speaks(body.input.strip())
 
 
 def _variant(body: SpeechRequest) -> str:
@@ -171,12 +183,15 @@ def to_job(body: SpeechRequest) -> JobRequest:
     """The ``JobRequest`` the speech request stands for (its inline ``ref_audio`` is resolved separately)."""
     check_unsupported(body)
     fields: dict[str, Any] = {
-        "instruction": instruction_of(body),
         "variant": _variant(body),
         "response_format": body.response_format,
         "priority": "interactive",
         **_knobs(body),
     }
+    if is_plain_text(body):  # OpenAI's shape: the text to speak; the service writes the instruction and splits it
+        fields["text"] = clean_text(body.input, "input", MAX_SPEECH_TEXT_CHARS)
+    else:
+        fields["instruction"] = instruction_of(body)
     for name, value in (("gen_seconds", body.duration_seconds), ("seed", body.seed), ("custom_id", body.custom_id),
                         ("voice", body.voice), ("audio", body.audio)):  # fmt: skip
         if value is not None:
@@ -224,7 +239,8 @@ def resolve_clip(svc: Services, owner: str, body: SpeechRequest, request: JobReq
     if body.ref_audio is None:
         return ClipResolver(svc, owner).resolve(request)
     data = ref_audio_bytes(svc, body.ref_audio)
-    clip = decode_audio(data)  # AudioError (422) names what is wrong with the clip
+    # AudioError (422) names what is wrong with the clip
+    clip = decode_audio(data, max_seconds=svc.settings.max_recording_s)
     digest = hashlib.sha256(data).hexdigest()
     key = clip_key(svc.settings.s3_prefix, owner, digest)
     svc.storage.put_bytes(key, data, "application/octet-stream", {"owner": owner})

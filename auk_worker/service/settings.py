@@ -174,6 +174,7 @@ class Settings:
     variant: str | None = None
     presign_seconds: int = 3600
     max_upload_bytes: int = 50 * 1024 * 1024
+    max_recording_s: float = 3600.0  # AUK_MAX_RECORDING_SECONDS: the longest clip a job reads (long recordings)
     max_kills: int = 3
     pipeline: str = "auk"
     retry_max: int = 6  # AUK_RETRY_MAX: Celery retries of an InfraError before the job fails
@@ -253,6 +254,7 @@ class Settings:
             variant=_choice(env, "AUK_VARIANT", VARIANTS, None),
             presign_seconds=_int(env, "AUK_PRESIGN_SECONDS", 3600, minimum=1),
             max_upload_bytes=_int(env, "AUK_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1),
+            max_recording_s=_float(env, "AUK_MAX_RECORDING_SECONDS", 3600.0, minimum=30.0),
             max_kills=_int(env, "AUK_MAX_KILLS", 3, minimum=1),
             pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),
             retry_max=_int(env, "AUK_RETRY_MAX", 6, minimum=0),

@@ -51,8 +51,11 @@ import redis
 from celery import Celery, Task
 
 from auk_worker import formats, rules
-from auk_worker.audio import CheckedClip, decode_audio
+from auk_worker.audio import CheckedClip, decode_audio, resample
 from auk_worker.errors import AuKError, Canceled, InfraError, InputError, ModelError, OutOfMemory, StorageUnavailable
+from auk_worker.longform import timestamps as longform_timestamps
+from auk_worker.longform.plan import is_long
+from auk_worker.longform.render import Hooks, SegmentStore, render_plan
 from auk_worker.service.batches import write_results
 from auk_worker.service.celery_app import RENDER_TASK
 from auk_worker.service.grouping import RENDER_GROUP_TASK
@@ -65,7 +68,7 @@ from auk_worker.service.metrics import WorkerMetrics
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
-from auk_worker.types import RenderRequest, RenderResult
+from auk_worker.types import SAMPLE_RATE, AudioClip, RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,9 @@ class RenderRuntime:
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # "<worker id>/<instance>"
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # served on AUK_METRICS_PORT when set
+    # A long job's part of the file that became final: on_segment(job_id, index, samples, is_last); the parts
+    # concatenated are the file (longform/render.py). The streaming reply pushes them as they come.
+    on_segment: Callable[[str, int, Any, bool], None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- the job
@@ -113,6 +119,9 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     record = _begin(rt, job_id)
     if record is None or record.terminal:
         return record
+    if is_long(record.request.get("plan")):
+        with job_context(job_id, record.batch_id):
+            return _render_long(rt, job_id, record, started_at, started)
     with job_context(job_id, record.batch_id):
         wait = StorageWait.from_settings(rt.settings)
         request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
@@ -157,10 +166,11 @@ def _prepare(rt: RenderRuntime, record: JobRecord) -> tuple[JobRequest, RenderRe
     fields = {k: v for k, v in record.request.items() if k in _REQUEST_FIELDS}
     request = JobRequest.model_validate(fields, context={"has_clip": bool(record.request.get("clip"))})
     clip = _load_clip(rt, request, record.request.get("clip"))
+    plan = record.request.get("plan") or {}  # a one-pass plan: the instruction written and the length estimated
     render_request = RenderRequest(
-        instruction=request.instruction,
+        instruction=plan.get("instruction", request.instruction),
         audio=clip,
-        gen_seconds=request.gen_seconds,
+        gen_seconds=plan["gen_seconds"] if plan.get("kind") == "single" else request.gen_seconds,
         num_inference_steps=request.num_inference_steps,
         guidance_scale=request.guidance_scale,
         sway=request.sway,
@@ -213,7 +223,7 @@ def _encode(request: JobRequest, result: RenderResult) -> tuple[formats.AudioFor
 def _store_result(
     rt: RenderRuntime, job_id: str, request: JobRequest, result: RenderResult, wait: StorageWait,
     stages: dict[str, float], started: float,
-    encoded: tuple[formats.AudioFormat, bytes] | None = None,
+    encoded: tuple[formats.AudioFormat, bytes] | None = None, extra: dict[str, Any] | None = None,
 ) -> JobRecord | None:
     """Upload the audio (through ``wait``: an outage is waited out with the audio in hand) and record the success
     (and the batch manifest when this was the batch's last job).
@@ -228,7 +238,8 @@ def _store_result(
               _cancel_check(rt, job_id))  # fmt: skip
     result.timings["store"] = time.perf_counter() - storing
     outcome = _on_current_master(rt, f"the end of job {job_id}",
-                                 lambda: rt.store.finish(job_id, _result(rt, key, request, result, spec), rt.holder))
+                                 lambda: rt.store.finish(job_id, {**_result(rt, key, request, result, spec),
+                                                                  **(extra or {})}, rt.holder))  # fmt: skip
     if outcome.record is None:
         current = rt.store.get(job_id)
         if current is not None and current.status == JobStatus.CANCELED:  # the object goes, the record stays
@@ -249,6 +260,86 @@ def _store_result(
     if outcome.batch_done and outcome.record.batch_id:
         write_manifest(rt, outcome.record.batch_id)
     return outcome.record
+
+
+# ---------------------------------------------------------------------------------------------------- a long job
+
+
+def _render_long(rt: RenderRuntime, job_id: str, record: JobRecord, started_at: float,
+                 started: float) -> JobRecord | None:  # fmt: skip
+    """A text or recording longer than one pass (``record.request["plan"]``, ``longform/plan.py``), still one job:
+    its segments render in groups of the deploy config's ``max_num_seqs`` (``longform/render.py``); each finished
+    segment is stored under the job's prefix, so a later attempt renders only the missing ones; the progress counts
+    segments (step k of N) and a cancel stops at the next step; the record lists each segment's place in the file."""
+    plan = record.request["plan"]
+    wait = StorageWait.from_settings(rt.settings)
+    fields = {k: v for k, v in record.request.items() if k in _REQUEST_FIELDS}
+    request = JobRequest.model_validate(fields)
+    clip = wait.call(f"fetch the clip of job {job_id}", lambda: _load_clip(rt, request, record.request.get("clip")),
+                     _cancel_check(rt, job_id))  # fmt: skip
+    if plan["kind"] == "windows":  # windows are cut from the source at 24 kHz, in whole latent frames
+        clip = AudioClip(resample(clip.samples, clip.sample_rate, SAMPLE_RATE), SAMPLE_RATE)
+    fetched = time.perf_counter()
+    store = SegmentStore(rt.storage, result_key(rt.settings.s3_prefix, job_id).rsplit(".", 1)[0] + "/segments/")
+    count = len(plan["segments"] if plan["kind"] == "text" else plan["windows"])
+    done = [0]
+    last_check = [0.0]
+
+    def progress(finished: int, total: int) -> None:
+        done[0] = finished
+        status = rt.store.set_progress(job_id, finished, total, rt.holder)
+        if status != JobStatus.RUNNING:
+            why = "was canceled" if status == JobStatus.CANCELED else "is no longer held by this worker"
+            raise Canceled(f"job {job_id} {why} after {finished} of {total} segments")
+
+    def on_step(step: int, steps: int) -> None:
+        now = time.monotonic()
+        if now - last_check[0] >= PROGRESS_INTERVAL_S:
+            last_check[0] = now
+            progress(done[0], count)
+
+    def on_segment(index: int, samples: Any, is_last: bool) -> None:
+        if rt.on_segment is not None:
+            rt.on_segment(job_id, index, samples, is_last)
+
+    knobs = {name: getattr(request, name) for name in ("num_inference_steps", "guidance_scale", "sway", "seed")}
+    hooks = Hooks(load=store.load, save=store.save, progress=progress, on_step=on_step, on_segment=on_segment)
+    rendering = time.perf_counter()
+    long = render_plan(rt.pipeline, plan, clip, knobs, hooks, group_size=_group_size(rt.pipeline))
+    rendered = time.perf_counter()
+    result = RenderResult(long.waveform, long.seed, long.num_inference_steps, long.guidance_scale,
+                          timings={"render": rendered - rendering})  # fmt: skip
+    texts = [s["text"] for s in plan["segments"]] if plan["kind"] == "text" else [None] * count
+    segments = [{"index": i, "text": texts[i], "start": round(a, 3), "end": round(b, 3)}
+                for i, (a, b) in enumerate(long.spans)]  # fmt: skip
+    extra: dict[str, Any] = {"segments": segments, "passes": long.passes, "segments_rendered": long.rendered,
+                             "duration": plan["duration"], "first_segment_s": round(long.first_audio_s or 0.0, 4)}
+    if request.timestamps is not None:
+        extension, mime = longform_timestamps.FORMATS[request.timestamps]
+        key = result_key(rt.settings.s3_prefix, job_id, extension)
+        data = longform_timestamps.render(segments, request.timestamps)
+        wait.call(f"upload {key}", lambda: rt.storage.put_bytes(key, data, mime, {"job-id": job_id}),
+                  _cancel_check(rt, job_id))  # fmt: skip
+        extra["timestamps"] = {"key": key, "format": request.timestamps, "content_type": mime}
+    encoded = _encode(request, result)
+    if record.request.get("reply") and rt.replies is not None:
+        timings = {"started_at": started_at, "prepare": rendering - started, "render": rendered - rendering,
+                   "encode": time.perf_counter() - rendered}  # fmt: skip
+        rt.replies.audio(job_id, encoded[1], fmt=encoded[0].name, content_type=encoded[0].mime_type, timings=timings)
+    stages = {"fetch": fetched - started, "render": rendered - rendering}
+    final = _store_result(rt, job_id, request, result, wait, stages, started, encoded, extra=extra)
+    if final is not None and final.status == JobStatus.SUCCEEDED:
+        try:
+            store.clear()  # the file is stored: the segments are no longer needed
+        except InfraError as exc:
+            log.warning("job %s: stored segments not removed: %s", job_id, exc)
+    return final
+
+
+def _group_size(pipeline: Pipeline) -> int:
+    """Segments per render_batch call: the deploy config's stage 1 ``max_num_seqs`` (one DiT pass's rows)."""
+    deploy = getattr(pipeline, "deploy", None)
+    return max(1, int(getattr(getattr(deploy, "dit", None), "max_num_seqs", 1) or 1))
 
 
 # ---------------------------------------------------------------------------------------------------- the group
@@ -279,6 +370,9 @@ def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
         try:
             record = _begin(rt, job_id)
             if record is None or record.terminal:
+                continue
+            if is_long(record.request.get("plan")):  # its segments are its own groups
+                _render_long(rt, job_id, record, time.time(), time.perf_counter())
                 continue
             # A bad or missing clip fails this job only.
             request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: _prepare(rt, record),
@@ -392,7 +486,7 @@ def _load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | No
     else:
         data = rt.storage.get_bytes(*input_object(rt.settings, request.audio.key))
     digest = hashlib.sha256(data).hexdigest()
-    decoded = dataclasses.replace(decode_audio(data), key=digest)
+    decoded = dataclasses.replace(decode_audio(data, max_seconds=rt.settings.max_recording_s), key=digest)
     if cache is not None:
         cache.put(digest, "clip", decoded)
     return decoded
@@ -400,14 +494,15 @@ def _load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | No
 
 def _metadata(job_id: str, request: JobRequest, result: RenderResult, variant: str) -> dict[str, str]:
     """Object metadata (ASCII header values): the job's parameters and the seed actually used."""
+    instruction = request.instruction or request.text or request.task or ""  # the parts: the text, or the task
     meta = {
         "job-id": job_id,
         "variant": variant,
         "seed": str(result.seed),
         "steps": str(result.num_inference_steps),
         "cfg": f"{result.guidance_scale:g}",
-        "instruction-sha256": hashlib.sha256(request.instruction.encode()).hexdigest()[:16],
-        "instruction": quote(request.instruction[:200], safe=" ,.;:!?'-_()"),
+        "instruction-sha256": hashlib.sha256(instruction.encode()).hexdigest()[:16],
+        "instruction": quote(instruction[:200], safe=" ,.;:!?'-_()"),
         "format": request.response_format,
     }
     if request.gen_seconds is not None:
