@@ -67,6 +67,9 @@ def plan_text(text: str, *, description: str | None, style: str | None, language
     """The plan that speaks ``text`` (already cleaned) in the clip's voice (``clip_frames``) or a described one."""
     has_clip = clip_frames is not None
     clip_s = (clip_frames or 0) / FRAME_RATE
+    ref_text = None if ref_text is None else texts.clean_text(ref_text, "ref_text")
+    description = None if description is None else texts.clean_text(description, "description")
+    style = None if style is None else texts.clean_text(style, "style")
     if ref_text is not None and has_clip:
         _check_ref_text(ref_text.strip(), clip_s)
     est = Estimator(speed=speed, language=language, clip_seconds=clip_s if has_clip else None, ref_text=ref_text)

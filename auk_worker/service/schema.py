@@ -109,8 +109,13 @@ class JobRequest(BaseModel):
         The validation context's ``has_clip`` says a clip comes another way (a speech request's inline clip)."""
         parts = [name for name in ("text", "task", "description", "style") if getattr(self, name) is not None]
         if self.instruction is None and not parts:
-            raise ValueError("give instruction (AuK's whole instruction) or text (and task) for the service to "
-                             "write it")  # fmt: skip
+            raise ValueError("instruction (AuK's whole instruction) or text (and task: the service writes the "
+                             "instruction) is required")  # fmt: skip
+        if self.instruction is None and self.text is None and self.task is None:
+            raise ValueError(f"text (or a task) is required with {' and '.join(parts)}: they describe how to say it")
+        if self.instruction is not None and self.ref_text is not None:
+            raise ValueError("ref_text: a transcript sizes a text's segments; send the text as text, not inside a "
+                             "raw instruction")  # fmt: skip
         if self.instruction is not None:
             if parts:
                 raise ValueError(f"instruction: give the whole instruction or its parts ({', '.join(parts)}), "
