@@ -1,0 +1,154 @@
+"""Long-text benchmark: time to the first segment's audio and to the whole file, for texts of 500, 4 096 and
+20 000 characters, rendered as the worker renders a long job (``auk_worker/longform/render.py``: a described voice,
+its first segment alone, the rest in groups of the deploy config's ``max_num_seqs``).
+
+    python -m bench.longform --tiny              # the tiny checkpoint on the CPU (output is noise; a check it runs)
+    python -m bench.longform                     # release-size random weights on the GPU
+
+Also checked and reported, per text: the file's length against the plan (to the sample) and against the
+unrounded estimate (within one frame per segment), the number of render_batch calls (GPU passes) and, with
+``--repeat``, that a seeded render gives the same samples run to run. A 3 000-character Chinese text is included
+(``--chinese``, on by default). Times are wall seconds from the call to the joined waveform on the host; the
+first-audio time is when the first part of the file was final (what a stream could send).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from auk_worker.deploy import load_deploy_config
+from auk_worker.longform import plan as plans
+from auk_worker.longform.duration import Estimator
+from auk_worker.longform.render import Hooks, render_plan
+from auk_worker.types import FRAME_RATE, SAMPLE_RATE
+from bench.common import write_result
+
+REPO = Path(__file__).resolve().parent.parent
+SENTENCES = [
+    "The lighthouse keeper climbed the stairs each evening, counting every step.",
+    "Storms came and went; the light never failed!",
+    "Did anyone thank him?",
+    "Ships passed in the dark, their crews asleep, trusting a lamp they would never see up close.",
+]
+CHINESE = "今天天气很好，我们一起去公园散步。孩子们在草地上奔跑，老人们坐在长椅上聊天！"
+
+
+def english(chars: int) -> str:
+    out, i = [], 0
+    while sum(len(s) + 1 for s in out) < chars:
+        out.append(f"Night {i}. " + SENTENCES[i % len(SENTENCES)])
+        i += 1
+    return " ".join(out)[:chars].rstrip(" ,;") + "."
+
+
+def chinese(chars: int) -> str:
+    return (CHINESE * (chars // len(CHINESE) + 1))[:chars]
+
+
+def request(text: str) -> SimpleNamespace:
+    return SimpleNamespace(text=text, task=None, instruction=None, description="A calm, warm narrator.", style=None,
+                           language=None, speed=None, gen_seconds=None, ref_text=None)  # fmt: skip
+
+
+def measure(pipe, name: str, text: str, steps: int | None, seed: int, repeat: int) -> dict:
+    planned = plans.plan_request(request(text), None)
+    est = Estimator()
+    unrounded = sum(est(s["text"]) for s in planned["segments"])
+    unrounded += sum(s["pause"] - plans.CROSSFADE_S for s in planned["segments"][:-1])
+    group = pipe.deploy.dit.max_num_seqs
+    runs, waves = [], []
+    for _ in range(repeat):
+        if pipe.device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = render_plan(pipe, planned, None, {"seed": seed, "num_inference_steps": steps}, Hooks(), group)
+        runs.append({"first_audio_s": round(result.first_audio_s, 4), "total_s": round(time.perf_counter() - started, 4)})
+        waves.append(result.waveform)
+    samples = len(waves[0])
+    segments = len(planned["segments"])
+    out = {
+        "text": name,
+        "characters": len(text),
+        "segments": segments,
+        "passes": result.passes,
+        "group_size": group,
+        "seconds_of_audio": round(samples / SAMPLE_RATE, 3),
+        "estimate_s": round(unrounded, 3),
+        "samples": samples,
+        "planned_samples": planned["samples"],
+        "length_as_planned": samples == planned["samples"],
+        "frames_off_estimate": round(abs(samples / SAMPLE_RATE - unrounded) * FRAME_RATE, 2),
+        "within_one_frame_per_segment": abs(samples / SAMPLE_RATE - unrounded) * FRAME_RATE <= segments,
+        "identical_run_to_run": all(np.array_equal(w, waves[0]) for w in waves[1:]) if repeat > 1 else None,
+        "runs": runs,
+        "first_audio_s": min(r["first_audio_s"] for r in runs),
+        "total_s": min(r["total_s"] for r in runs),
+        "real_time_factor": round(min(r["total_s"] for r in runs) / (samples / SAMPLE_RATE), 5),
+    }
+    print(f"{name:>16}: {len(text):6d} chars, {segments:3d} segments, {result.passes:3d} passes, "
+          f"{samples / SAMPLE_RATE:8.1f} s audio; first audio {out['first_audio_s']:.3f} s, whole {out['total_s']:.2f} s; "
+          f"as planned {out['length_as_planned']}, {out['frames_off_estimate']} frames off the estimate, "
+          f"identical {out['identical_run_to_run']}", flush=True)  # fmt: skip
+    return out
+
+
+def load(args: argparse.Namespace):
+    deploy = load_deploy_config(Path(args.deploy_config))
+    if args.tiny:
+        from auk_dev.tiny import make_tiny_checkpoint
+        from auk_worker.pipeline import AuKPipeline
+
+        root = tempfile.mkdtemp(prefix="auk-tiny-")
+        return AuKPipeline.load(make_tiny_checkpoint(f"{root}/base"), deploy, device=args.device)
+    from auk_worker.pipeline import resolve_precision
+    from bench.models import random_pipeline
+
+    device = torch.device(args.device)
+    return random_pipeline("base", device, resolve_precision(deploy.dit.dtype, device), deploy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.longform", description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint instead of release-size weights")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--deploy-config", default=str(REPO / "config" / "auk-bulk.yaml"),
+                        help="deploy config (default auk-bulk.yaml: groups of 8)")  # fmt: skip
+    parser.add_argument("--chars", type=int, nargs="+", default=[500, 4096, 20_000])
+    parser.add_argument("--no-chinese", action="store_true", help="leave out the 3 000-character Chinese text")
+    parser.add_argument("--steps", type=int, default=None, help="Euler steps (default: the deploy config's)")
+    parser.add_argument("--repeat", type=int, default=2, help="renders per text (identity checked across them)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    parser.add_argument("--tag", default="", help="appended to the results file's name")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    pipe = load(args)
+    load_s = time.perf_counter() - started
+    texts = [(f"english-{n}", english(n)) for n in args.chars]
+    if not args.no_chinese:
+        texts.insert(2 if len(texts) > 2 else len(texts), ("chinese-3000", chinese(3000)))
+    rows = [measure(pipe, name, text, args.steps, args.seed, args.repeat) for name, text in texts]
+    payload = {
+        "benchmark": "longform",
+        "mode": "tiny" if args.tiny else "release-size random weights",
+        "deploy_config": Path(args.deploy_config).name,
+        "steps": args.steps or pipe.deploy.defaults.num_inference_steps,
+        "load_s": round(load_s, 2),
+        "results": rows,
+    }
+    name = ("longform-tiny" if args.tiny else "longform") + (f"-{args.tag}" if args.tag else "")
+    path = write_result(name, payload, Path(args.out) if args.out else None)
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
