@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -47,6 +47,8 @@ class Service:
     url: str
     redis: redis.Redis
     s3: S3Server
+    worker: WorkerProcess
+    start_worker: Callable[[], WorkerProcess]
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
@@ -78,14 +80,21 @@ def service(redis_server: RedisServer, s3_server: S3Server,
     client = redis_server.client()
     client.flushdb()
     api = ApiProcess({**env, "AUK_API_KEYS": KEY}, free_port(), logdir / "api.log")
-    # Each step sleeps 5 ms: a long job's groups take long enough to be canceled between them.
-    worker = WorkerProcess({**env, "AUK_INSTANT_STEP_DELAY": "0.005"}, "longform-instant", logdir)
+    started: list[WorkerProcess] = []
+
+    def start_worker() -> WorkerProcess:
+        # Each step sleeps 5 ms: a long job's groups take long enough to be canceled (or killed) between them.
+        worker = WorkerProcess({**env, "AUK_INSTANT_STEP_DELAY": "0.005"}, "longform-instant", logdir)
+        started.append(worker)
+        worker.start().wait_state(client, "ready", timeout=120)
+        return worker
+
     try:
         api.start()
-        worker.start().wait_state(client, "ready", timeout=120)
-        yield Service(api.url, client, s3_server)
+        yield Service(api.url, client, s3_server, start_worker(), start_worker)
     finally:
-        worker.terminate(timeout=20)
+        for worker in started:
+            worker.terminate(timeout=20)
         api.stop()
         client.close()
 
@@ -275,3 +284,29 @@ def test_a_transcript_that_does_not_fit_its_clip_is_refused(service: Service) ->
     plan = job["request"]["plan"]
     assert job["status"] == "succeeded" and plan["voice"] == "clip" and plan["duration"]["source"] == "ref_text"
     assert job["result"]["samples"] == plan["samples"]
+
+
+def test_speech_input_over_4096_characters_is_refused_by_name(service: Service) -> None:
+    with service.http() as http:
+        response = http.post("/v1/audio/speech", json={"model": "auk", "input": english(4200)})
+    assert response.status_code == 422 and "input" in response.text and "4096" in response.text, response.text
+
+
+def test_a_killed_worker_loses_no_finished_segment(service: Service) -> None:
+    """SIGKILL mid-text: the next worker renders only the segments that were not stored, and the file is whole."""
+    body = {"text": english(8000), "num_inference_steps": 40, "seed": 5}
+    with service.http() as http:
+        job_id = http.post("/v1/jobs", json=body).json()["id"]
+        deadline = time.monotonic() + 60
+        while (http.get(f"/v1/jobs/{job_id}").json()["progress"] or {}).get("step", 0) < 9:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    service.worker.kill()
+    stored = [k for k in _keys(service) if f"{job_id}/segments/" in k]
+    service.worker = service.start_worker()  # its reaper sends the dead worker's job again
+    final = service.wait(job_id, timeout=120)
+    assert final["status"] == "succeeded" and final["attempts"] == 2, final
+    total = len(final["request"]["plan"]["segments"])
+    assert 9 <= len(stored) < total
+    assert final["result"]["segments_rendered"] == total - len(stored)
+    assert final["result"]["samples"] == final["request"]["plan"]["samples"]
