@@ -15,6 +15,7 @@ first-audio time is when the first part of the file was final (what a stream cou
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -100,6 +101,49 @@ def measure(pipe, name: str, text: str, steps: int | None, seed: int, repeat: in
     return out
 
 
+def seam(seconds: float = 60.0, hz: float = 440.0) -> dict:
+    """The windows' seam on a test tone (``--seam``; no model): a pass-through render of each window of a
+    ``seconds`` tone, joined as a long recording is (equal-amplitude curves over ``OVERLAP_FRAMES``), against the
+    tone itself; then the same with equal-power curves, and with unrelated noise in each window (what a render
+    that does not repeat itself in the overlap gives), to show what each curve does to the level at a seam."""
+    from auk_worker.longform.join import join
+    from auk_worker.longform.windows import OVERLAP_FRAMES, plan_windows
+    from auk_worker.types import HOP
+
+    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
+    tone = (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+    windows = plan_windows(len(tone) // HOP)
+    block = SAMPLE_RATE // 100  # 10 ms
+
+    def envelope_db(x: np.ndarray, ref: np.ndarray) -> float:
+        n = len(ref) // block * block
+        rx = np.sqrt(np.mean(np.square(x[:n].reshape(-1, block)), axis=1))
+        rr = np.sqrt(np.mean(np.square(ref[:n].reshape(-1, block)), axis=1))
+        return float(np.max(np.abs(20 * np.log10((rx + 1e-12) / (rr + 1e-12)))))
+
+    def joined(parts: list[np.ndarray], curve: str) -> np.ndarray:
+        return join(parts, [0] * len(parts), SAMPLE_RATE, crossfade=OVERLAP_FRAMES * HOP, curve=curve, loudness=False)
+
+    cut = [tone[w.start * HOP : (w.start + w.length) * HOP][w.trim * HOP :] for w in windows]
+    out = {"tone_hz": hz, "seconds": seconds, "windows": len(windows), "overlap_s": OVERLAP_FRAMES / FRAME_RATE}
+    for curve in ("amplitude", "power"):
+        y = joined(cut, curve)
+        error = float(np.max(np.abs(y - tone[: len(y)])))
+        out[f"tone_{curve}"] = {"max_error_dbfs": round(20 * np.log10(error + 1e-12), 1),
+                                "envelope_max_dev_db": round(envelope_db(y, tone[: len(y)]), 3)}  # fmt: skip
+    rng = np.random.default_rng(0)
+    noise = [0.1 * rng.standard_normal(len(part)).astype(np.float32) for part in cut]
+    for curve in ("amplitude", "power"):
+        y = joined(noise, curve)
+        level = np.sqrt(np.mean(np.square(np.concatenate(noise))))
+        n = len(y) // block * block
+        rms = np.sqrt(np.mean(np.square(y[:n].reshape(-1, block)), axis=1))
+        out[f"unrelated_{curve}"] = {"seam_min_db": round(float(20 * np.log10(rms.min() / level)), 2),
+                                     "seam_max_db": round(float(20 * np.log10(rms.max() / level)), 2)}  # fmt: skip
+    print(json.dumps(out, indent=1))
+    return out
+
+
 def load(args: argparse.Namespace):
     deploy = load_deploy_config(Path(args.deploy_config))
     if args.tiny:
@@ -128,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     parser.add_argument("--tag", default="", help="appended to the results file's name")
+    parser.add_argument("--seam", action="store_true", help="only the windows' seam on a test tone (no model)")
     args = parser.parse_args(argv)
+    if args.seam:
+        path = write_result("longform-seam", {"benchmark": "longform seam", "results": seam()},
+                            Path(args.out) if args.out else None)  # fmt: skip
+        print(f"written {path}")
+        return 0
     started = time.perf_counter()
     pipe = load(args)
     load_s = time.perf_counter() - started
