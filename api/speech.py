@@ -24,8 +24,9 @@ The clip is at most one of ``voice`` (a ``voice_id``), ``ref_audio`` (base64, a 
 URL fetched only from hosts ``AUK_FETCH_ALLOW`` lists, through ``urlguard.py``) and ``audio``. An inline clip is
 stored once per owner and content (``clips/<owner>/<sha256>``) so that the job's record points at a durable copy.
 
-Other fields of OpenAI's or vLLM-Omni's shapes (``language``, ``ref_text``, ``speaker_embedding``...) are refused by
-name as unknown fields: this model cannot honour them.
+``ref_text`` (vLLM-Omni's: the clip's transcript) and ``language`` size the estimated length (``longform/duration.py``)
+and pick the instruction's wording. Other fields of OpenAI's or vLLM-Omni's shapes (``speaker_embedding``...) are
+refused by name as unknown fields: this model cannot honour them.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class SpeechRequest(BaseModel):
     sway: float | None = None
     audio: AudioRef | None = None
     custom_id: str | None = Field(default=None, max_length=256)
+    ref_text: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    language: str | None = Field(default=None, min_length=2, max_length=16)
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -193,7 +196,8 @@ def to_job(body: SpeechRequest) -> JobRequest:
     else:
         fields["instruction"] = instruction_of(body)
     for name, value in (("gen_seconds", body.duration_seconds), ("seed", body.seed), ("custom_id", body.custom_id),
-                        ("voice", body.voice), ("audio", body.audio)):  # fmt: skip
+                        ("voice", body.voice), ("audio", body.audio), ("ref_text", body.ref_text),
+                        ("language", body.language)):  # fmt: skip
         if value is not None:
             fields[name] = value
     return JobRequest.model_validate(fields, context={"has_clip": body.ref_audio is not None})

@@ -36,6 +36,10 @@ def test_estimate_rules_and_their_sources() -> None:
     cjk = duration.estimate("你" * 45)
     assert cjk.source == "rate:cjk" and math.isclose(cjk.seconds, 10.0)
     assert math.isclose(duration.estimate("の" * 50, language="ja").seconds, 10.0)
+    assert math.isclose(duration.estimate("の" * 50, language="Japanese").seconds, 10.0)
+    assert duration.language_code("zh-CN") == "zh" and duration.language_code("Auto") is None
+    with pytest.raises(InputError, match="^language: 'Klingon!' is neither"):
+        duration.language_code("Klingon!")
     assert duration.estimate("Привет, как дела?").source == "rate:other"
     assert duration.estimate("Hello 你好 world 世界").source == "rate:mixed"
     for bad in (0.1, 5.0, float("nan"), True):

@@ -38,6 +38,25 @@ CJK_DEFAULT_RATE = CJK_RATE["zh"]
 OTHER_RATE = LATIN_RATE
 
 
+# vLLM-Omni's and Qwen-TTS's language names, besides ISO 639 codes ("en", "zh-CN", "ja").
+LANGUAGE_NAMES = {"english": "en", "chinese": "zh", "mandarin": "zh", "japanese": "ja", "korean": "ko"}
+
+
+def language_code(language: str | None) -> str | None:
+    """The ISO 639 code of ``language`` (a code, a code with a region, or a name above); None for none or
+    ``auto``. InputError naming the field for anything else."""
+    if language is None or language.strip().lower() in ("", "auto"):
+        return None
+    value = language.strip().lower()
+    if value in LANGUAGE_NAMES:
+        return LANGUAGE_NAMES[value]
+    primary = value.replace("_", "-").split("-")[0]
+    if 2 <= len(primary) <= 3 and primary.isascii() and primary.isalpha():
+        return primary
+    raise InputError(f"language: {language!r} is neither an ISO 639 code (en, zh-CN...) nor one of "
+                     f"{', '.join(name.capitalize() for name in LANGUAGE_NAMES)}, Auto")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A target length and how it was made: ``given``, ``ref_text``, ``rate:latin``, ``rate:cjk``, ``rate:other``
@@ -97,7 +116,7 @@ def script_counts(text: str) -> dict[str, float]:
 def rate_seconds(text: str, language: str | None = None) -> tuple[float, str]:
     """Seconds to say ``text`` at the rates above (speed 1), and the source label."""
     counts = script_counts(text)
-    cjk_rate = CJK_RATE.get((language or "").split("-")[0].lower(), CJK_DEFAULT_RATE)
+    cjk_rate = CJK_RATE.get(language_code(language) or "", CJK_DEFAULT_RATE)
     seconds = counts["latin"] / LATIN_RATE + counts["cjk"] / cjk_rate + counts["other"] / OTHER_RATE
     spoken = {name: n for name, n in counts.items() if n > 0}
     if not spoken:

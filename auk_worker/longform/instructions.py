@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from auk_worker.errors import InputError
-from auk_worker.longform.duration import script_counts
+from auk_worker.longform.duration import language_code, script_counts
 
 ZERO_SHOT = 'Say the following with the same voice: "{text}"'
 INSTRUCT = 'Generate speech based on the following description: "{description}". The content to speak is: "{text}".'
@@ -44,8 +44,9 @@ TASKS = (SPEAK, *RECORDING_TASKS)
 
 def is_chinese(text: str, language: str | None = None) -> bool:
     """The Chinese template for ``language`` zh, or (no language) a text mostly of CJK characters with no kana."""
-    if language:
-        return language.split("-")[0].lower() == "zh"
+    code = language_code(language)
+    if code is not None:
+        return code == "zh"
     if re.search(r"[\u3040-\u30ff\uac00-\ud7af]", text):  # kana or Hangul: Japanese or Korean, not Chinese
         return False
     counts = script_counts(text)

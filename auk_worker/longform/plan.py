@@ -23,7 +23,7 @@ from typing import Any
 from auk_worker import rules
 from auk_worker.errors import InputError
 from auk_worker.longform import instructions, text as texts
-from auk_worker.longform.duration import Estimator, check_speed, estimate, rate_seconds
+from auk_worker.longform.duration import Estimator, check_speed, estimate, language_code, rate_seconds
 from auk_worker.longform.join import CROSSFADE_S
 from auk_worker.longform.windows import OVERLAP_FRAMES, WINDOW_FRAMES, plan_windows
 from auk_worker.types import FRAME_RATE, SAMPLE_RATE
@@ -141,6 +141,7 @@ def plan_request(request: Any, clip: dict[str, Any] | None) -> dict[str, Any] | 
     None for a request that renders as given. InputError names the field at fault."""
     clip_frames = None if clip is None else rules.clip_frames(clip["samples"], clip["sample_rate"])
     check_speed(request.speed)
+    language_code(request.language)  # a language that is not one is refused by name
     task = request.task or (instructions.SPEAK if request.text is not None else None)
     if task == instructions.SPEAK:
         text = texts.clean_text(request.text, "text", texts.MAX_JOB_TEXT_CHARS)
