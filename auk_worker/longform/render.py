@@ -139,16 +139,19 @@ def render_plan(pipeline: Pipeline, plan: dict[str, Any], clip: AudioClip | None
         joiner = Joiner(SAMPLE_RATE, crossfade=CROSSFADE)
         pauses = [round(s["pause"] * SAMPLE_RATE) for s in plan["segments"]]
         trims = [0] * count
-    audio: dict[int, np.ndarray] = {}
+    audio: dict[int, np.ndarray] = {}  # finished, not yet joined (a segment goes once the ones before it are joined)
     chunks: list[np.ndarray] = []
-    state = {"joined": 0, "passes": 0, "rendered": 0, "first": None}
+    state = {"joined": 0, "done": 0, "passes": 0, "rendered": 0, "first": None, "anchor": None}
     meta: dict[str, Any] = {}
 
     def finished(index: int, samples: np.ndarray) -> None:
         audio[index] = samples
+        state["done"] += 1
+        if index == 0:
+            state["anchor"] = samples
         while state["joined"] in audio:  # join (and stream) in order
             i = state["joined"]
-            chunk = joiner.add(audio[i][trims[i]:], pauses[i], last=i == count - 1)
+            chunk = joiner.add(audio.pop(i)[trims[i]:], pauses[i], last=i == count - 1)
             chunks.append(chunk)
             if hooks.on_segment is not None:
                 hooks.on_segment(i, chunk, i == count - 1)
@@ -172,7 +175,7 @@ def render_plan(pipeline: Pipeline, plan: dict[str, Any], clip: AudioClip | None
             hooks.save(index, samples)
             state["rendered"] += 1
             finished(index, samples)
-        hooks.progress(len(audio), count)
+        hooks.progress(state["done"], count)
 
     loaded = {}
     for index in range(count):
@@ -186,12 +189,12 @@ def render_plan(pipeline: Pipeline, plan: dict[str, Any], clip: AudioClip | None
         else:
             render([0])
             pending.remove(0)
-        anchor = _anchor_clip(audio[0])
+        anchor = _anchor_clip(state["anchor"])
         requests[1:] = [dataclasses.replace(r, audio=anchor) for r in requests[1:]]
     for index, samples in sorted(loaded.items()):
         finished(index, samples)
     if loaded:
-        hooks.progress(len(audio), count)
+        hooks.progress(state["done"], count)
     for start in range(0, len(pending), max(group_size, 1)):
         render(pending[start : start + max(group_size, 1)])
     waveform = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
