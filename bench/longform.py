@@ -71,7 +71,8 @@ def measure(pipe, name: str, text: str, steps: int | None, seed: int, repeat: in
             torch.cuda.synchronize()
         started = time.perf_counter()
         result = render_plan(pipe, planned, None, {"seed": seed, "num_inference_steps": steps}, Hooks(), group)
-        runs.append({"first_audio_s": round(result.first_audio_s, 4), "total_s": round(time.perf_counter() - started, 4)})
+        total_s = time.perf_counter() - started
+        runs.append({"first_audio_s": round(result.first_audio_s, 4), "total_s": round(total_s, 4)})
         waves.append(result.waveform)
     samples = len(waves[0])
     segments = len(planned["segments"])
@@ -95,7 +96,8 @@ def measure(pipe, name: str, text: str, steps: int | None, seed: int, repeat: in
         "real_time_factor": round(min(r["total_s"] for r in runs) / (samples / SAMPLE_RATE), 5),
     }
     print(f"{name:>16}: {len(text):6d} chars, {segments:3d} segments, {result.passes:3d} passes, "
-          f"{samples / SAMPLE_RATE:8.1f} s audio; first audio {out['first_audio_s']:.3f} s, whole {out['total_s']:.2f} s; "
+          f"{samples / SAMPLE_RATE:8.1f} s audio; first audio {out['first_audio_s']:.3f} s, "
+          f"whole {out['total_s']:.2f} s; "
           f"as planned {out['length_as_planned']}, {out['frames_off_estimate']} frames off the estimate, "
           f"identical {out['identical_run_to_run']}", flush=True)  # fmt: skip
     return out

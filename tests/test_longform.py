@@ -53,14 +53,16 @@ def test_estimate_rules_and_their_sources() -> None:
 
 
 def test_instructions_follow_the_trained_templates() -> None:
-    assert instructions.write_instruction("speak", "Hi.", has_clip=True) == 'Say the following with the same voice: "Hi."'
+    zero_shot = instructions.write_instruction("speak", "Hi.", has_clip=True)
+    assert zero_shot == 'Say the following with the same voice: "Hi."'
     assert instructions.write_instruction("speak", "Hi.", description="A calm man.") == (
         'Generate speech based on the following description: "A calm man.". The content to speak is: "Hi.".'
     )
     assert instructions.write_instruction("speak", "Hi.", style="Whispered.") == (
         'Generate speech based on the following description: "Whispered.". The content to speak is: "Hi.".'
     )
-    assert instructions.write_instruction("speak", "你好。") == '请基于下面的描述: "A clear, natural voice.",生成语音内容"你好。".'
+    chinese = instructions.write_instruction("speak", "你好。")
+    assert chinese == '请基于下面的描述: "A clear, natural voice.",生成语音内容"你好。".'
     assert instructions.write_instruction("denoise", has_clip=True).startswith("Remove only the background noise")
     with pytest.raises(InputError, match="^audio: task 'enhance' works on a recording"):
         instructions.write_instruction("enhance")
