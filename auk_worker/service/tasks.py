@@ -305,7 +305,14 @@ def _render_long(rt: RenderRuntime, job_id: str, record: JobRecord, started_at: 
     knobs = {name: getattr(request, name) for name in ("num_inference_steps", "guidance_scale", "sway", "seed")}
     hooks = Hooks(load=store.load, save=store.save, progress=progress, on_step=on_step, on_segment=on_segment)
     rendering = time.perf_counter()
-    long = render_plan(rt.pipeline, plan, clip, knobs, hooks, group_size=_group_size(rt.pipeline))
+    try:
+        long = render_plan(rt.pipeline, plan, clip, knobs, hooks, group_size=_group_size(rt.pipeline))
+    except (Canceled, InputError, ModelError):
+        # The job ends here (canceled, or failed for good): its segments go. One taken over by another attempt
+        # keeps them, for that attempt to pick up.
+        if rt.store.is_canceled(job_id) or not isinstance(sys.exc_info()[1], Canceled):
+            _clear_segments(store, job_id)
+        raise
     rendered = time.perf_counter()
     result = RenderResult(long.waveform, long.seed, long.num_inference_steps, long.guidance_scale,
                           timings={"render": rendered - rendering})  # fmt: skip
@@ -329,11 +336,15 @@ def _render_long(rt: RenderRuntime, job_id: str, record: JobRecord, started_at: 
     stages = {"fetch": fetched - started, "render": rendered - rendering}
     final = _store_result(rt, job_id, request, result, wait, stages, started, encoded, extra=extra)
     if final is not None and final.status == JobStatus.SUCCEEDED:
-        try:
-            store.clear()  # the file is stored: the segments are no longer needed
-        except InfraError as exc:
-            log.warning("job %s: stored segments not removed: %s", job_id, exc)
+        _clear_segments(store, job_id)  # the file is stored: the segments are no longer needed
     return final
+
+
+def _clear_segments(store: SegmentStore, job_id: str) -> None:
+    try:
+        store.clear()
+    except InfraError as exc:  # left for the retention sweep of the job's prefix
+        log.warning("job %s: stored segments not removed: %s", job_id, exc)
 
 
 def _group_size(pipeline: Pipeline) -> int:
