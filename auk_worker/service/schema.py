@@ -105,8 +105,10 @@ class JobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> JobRequest:
-        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error).
-        The validation context's ``has_clip`` says a clip comes another way (a speech request's inline clip)."""
+        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error):
+        AuK's whole instruction or its parts, not both. The length is no longer required here: without it the API
+        estimates one once the clip is resolved (``longform/plan.py``). The validation context (``has_clip``, a
+        speech request's inline clip) is accepted for the callers that pass it."""
         parts = [name for name in ("text", "task", "description", "style") if getattr(self, name) is not None]
         if self.instruction is None and not parts:
             raise ValueError("instruction (AuK's whole instruction) or text (and task: the service writes the "
