@@ -16,14 +16,18 @@ Fields, by origin:
 The instruction is chosen as vLLM-Omni's AuK adapter chooses it: a non-blank ``instructions`` is the whole AuK
 instruction (``input`` is then ignored); otherwise ``task_type`` ``Base`` makes ``Say the following with the same
 voice: "<input>"`` and ``CustomVoice`` makes ``Say the following: "<input>"`` (unless ``input`` already starts with
-one of those); otherwise ``input`` is the whole instruction. ``duration_seconds`` is required without a clip.
+one of those); otherwise ``input`` is the text to speak, as OpenAI means it (up to 4 096 characters; an input that
+is already one of AuK's speaking instructions stays the whole instruction): the service writes the instruction
+(zero-shot with a clip, a described voice without) and splits a long text into segments (``auk_worker/longform``).
+Without ``duration_seconds`` the length is estimated from the text.
 
 The clip is at most one of ``voice`` (a ``voice_id``), ``ref_audio`` (base64, a ``data:`` URL, or an ``http(s)``
 URL fetched only from hosts ``AUK_FETCH_ALLOW`` lists, through ``urlguard.py``) and ``audio``. An inline clip is
 stored once per owner and content (``clips/<owner>/<sha256>``) so that the job's record points at a durable copy.
 
-Other fields of OpenAI's or vLLM-Omni's shapes (``language``, ``ref_text``, ``speaker_embedding``...) are refused by
-name as unknown fields: this model cannot honour them.
+``ref_text`` (vLLM-Omni's: the clip's transcript) and ``language`` size the estimated length (``longform/duration.py``)
+and pick the instruction's wording. Other fields of OpenAI's or vLLM-Omni's shapes (``speaker_embedding``...) are
+refused by name as unknown fields: this model cannot honour them.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from api.submit import ClipResolver
 from auk_worker import formats, rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, TooLarge
+from auk_worker.longform.instructions import speaks
+from auk_worker.longform.text import MAX_SPEECH_TEXT_CHARS, clean_text
 from auk_worker.service.records.requests import AudioRef, JobRequest
 from auk_worker.service.records.objects import clip_key
 from auk_worker.types import SAMPLE_RATE
@@ -69,7 +75,7 @@ class SpeechRequest(BaseModel):
     ]})  # fmt: skip
 
     model: str | None = None
-    input: str = Field(default="", max_length=rules.MAX_INSTRUCTION_CHARS)
+    input: str = Field(default="", max_length=MAX_SPEECH_TEXT_CHARS)
     voice: str | dict[str, str] | None = None
     instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
     response_format: str = formats.DEFAULT_FORMAT
@@ -88,6 +94,8 @@ class SpeechRequest(BaseModel):
     sway: float | None = None
     audio: AudioRef | None = None
     custom_id: str | None = Field(default=None, max_length=256)
+    ref_text: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    language: str | None = Field(default=None, min_length=2, max_length=16)
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -114,6 +122,13 @@ def instruction_of(body: SpeechRequest) -> str:
     if body.task_type in TASK_TEMPLATES and not text.startswith(tuple(TASK_TEMPLATES.values())):
         return TASK_TEMPLATES[body.task_type] + json.dumps(text, ensure_ascii=False)
     return text
+
+
+def is_plain_text(body: SpeechRequest) -> bool:
+    """``input`` is the text to speak (OpenAI's meaning) unless ``instructions`` or ``task_type`` is given (vLLM-Omni's
+    adapter) or ``input`` is already one of AuK's speaking instructions."""
+    has_instructions = bool(body.instructions and body.instructions.strip())
+    return not has_instructions and body.task_type is None and not speaks(body.input.strip())
 
 
 def _variant(body: SpeechRequest) -> str:
@@ -172,14 +187,18 @@ def to_job(body: SpeechRequest) -> JobRequest:
     """The ``JobRequest`` the speech request stands for (its inline ``ref_audio`` is resolved separately)."""
     check_unsupported(body)
     fields: dict[str, Any] = {
-        "instruction": instruction_of(body),
         "variant": _variant(body),
         "response_format": body.response_format,
         "priority": "interactive",
         **_knobs(body),
     }
+    if is_plain_text(body):  # OpenAI's shape: the text to speak; the service writes the instruction and splits it
+        fields["text"] = clean_text(body.input, "input", MAX_SPEECH_TEXT_CHARS)
+    else:
+        fields["instruction"] = instruction_of(body)
     for name, value in (("gen_seconds", body.duration_seconds), ("seed", body.seed), ("custom_id", body.custom_id),
-                        ("voice", body.voice), ("audio", body.audio)):  # fmt: skip
+                        ("voice", body.voice), ("audio", body.audio), ("ref_text", body.ref_text),
+                        ("language", body.language)):  # fmt: skip
         if value is not None:
             fields[name] = value
     return JobRequest.model_validate(fields, context={"has_clip": body.ref_audio is not None})
@@ -225,7 +244,8 @@ def resolve_clip(svc: Services, owner: str, body: SpeechRequest, request: JobReq
     if body.ref_audio is None:
         return ClipResolver(svc, owner).resolve(request)
     data = ref_audio_bytes(svc, body.ref_audio)
-    clip = decode_audio(data)  # AudioError (422) names what is wrong with the clip
+    # AudioError (422) names what is wrong with the clip
+    clip = decode_audio(data, max_seconds=svc.settings.max_recording_s)
     digest = hashlib.sha256(data).hexdigest()
     key = clip_key(svc.settings.s3_prefix, owner, digest)
     svc.storage.put_bytes(key, data, "application/octet-stream", {"owner": owner})

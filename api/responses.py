@@ -40,9 +40,32 @@ class ErrorBody(BaseModel):
 
 
 class Progress(BaseModel):
+    """Step k of N: Euler steps for one pass; for a long job (a text or recording longer than one pass) its
+    finished segments out of all of them."""
+
     model_config = _OPEN
     step: int
     total: int
+
+
+class Segment(BaseModel):
+    """One segment of a long job: its text (None for a recording's window) and where it lies in the file."""
+
+    model_config = _OPEN
+    index: int
+    text: str | None = None
+    start: float = Field(description="seconds from the start of the file")
+    end: float = Field(description="seconds from the start of the file")
+
+
+class TimestampsFile(BaseModel):
+    """A long job's timestamps (JSON, SRT or WebVTT) stored beside its audio."""
+
+    model_config = _OPEN
+    key: str
+    format: Literal["json", "srt", "vtt"]
+    content_type: str | None = None
+    url: str | None = Field(default=None, description="presigned GET, valid AUK_PRESIGN_SECONDS")
 
 
 class JobResult(BaseModel):
@@ -62,6 +85,12 @@ class JobResult(BaseModel):
     content_type: str | None = None
     variant: str | None = None
     timings: dict[str, float] | None = None
+    # A long job's (a text or recording longer than one pass, rendered as segments and joined):
+    segments: list[Segment] | None = None
+    passes: int | None = Field(default=None, description="render_batch calls (GPU groups) of the last attempt")
+    segments_rendered: int | None = Field(default=None, description="segments the last attempt rendered; the "
+                                          "others were stored by an earlier one")  # fmt: skip
+    timestamps: TimestampsFile | None = None
 
 
 class JobError(BaseModel):

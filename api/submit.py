@@ -39,6 +39,7 @@ from api.deps import Services
 from auk_worker import rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InfraError, InputError, NoWorker
+from auk_worker.longform.plan import is_long, plan_request
 from auk_worker.service.queues.celery_app import RENDER_TASK, queue_name
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
 from auk_worker.service.records.workers import live_variants, read_heartbeats
@@ -47,6 +48,7 @@ from api.quotas import check_queued_jobs
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.connect.storage import error_code
 from auk_worker.service.records.objects import input_object
+from auk_worker.types import FRAME_RATE
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ class ClipResolver:
         if size > limit:
             raise InputError(f"audio.key {key!r} is {size} bytes; the limit is {limit}", code="too_large")
         data = self.svc.storage.get_bytes(bucket, object_key)
-        clip = decode_audio(data)
+        clip = decode_audio(data, max_seconds=self.svc.settings.max_recording_s)
         return {"bucket": bucket, "key": object_key, "duration_s": round(clip.duration_s, 6),
                 "sample_rate": clip.sample_rate, "samples": len(clip.samples),
                 "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
@@ -134,12 +136,25 @@ class ClipResolver:
 
 
 def record_request(request: JobRequest, clip: dict[str, Any] | None) -> dict[str, Any]:
-    """The record's ``request``: the validated body, the resolved clip and the target length in seconds, once the
-    length rule holds for the clip's exact sample count and rate (the frames the worker will count)."""
+    """The record's ``request``: the validated body, the resolved clip, the plan (``longform/plan.py``: the
+    instruction the service wrote, the estimated length, a long job's segments or windows) and the target length in
+    seconds, once the length rule holds for the clip's exact sample count and rate (the frames the worker will
+    count). ``duration`` says how long the output will be and how that was decided."""
     frames = None if clip is None else rules.clip_frames(clip["samples"], clip["sample_rate"])
-    rules.target_frames(request.gen_seconds, frames)
-    target = request.gen_seconds if request.gen_seconds is not None else clip["duration_s"]
-    return {**request.model_dump(mode="json"), "clip": clip, "target_seconds": target}
+    plan = plan_request(request, clip)
+    if plan is None or plan["kind"] == "single":
+        rules.target_frames(request.gen_seconds if plan is None else plan["gen_seconds"], frames)
+    if plan is not None:
+        duration = plan["duration"]
+    elif request.gen_seconds is not None:
+        duration = {"seconds": request.gen_seconds, "source": "given", "segments": 1}
+    else:
+        duration = {"seconds": frames / FRAME_RATE, "source": "clip", "segments": 1}
+    out = {**request.model_dump(mode="json"), "clip": clip, "target_seconds": duration["seconds"],
+           "duration": duration}  # fmt: skip
+    if plan is not None:
+        out["plan"] = plan
+    return out
 
 
 def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
@@ -292,7 +307,9 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
     batch_id = svc.store.create_batch(owner, records)
     svc.batches.register(batch_id, owner, webhook_url)
     max_jobs, defaults = group_limits(svc.settings.deploy_config)
-    groups = plan_groups(records, max_jobs, defaults) if max_jobs > 1 else [[record] for record in records]
+    short = [record for record in records if not is_long(record.request.get("plan"))]
+    groups = plan_groups(short, max_jobs, defaults) if max_jobs > 1 else [[record] for record in short]
+    groups += [[record] for record in records if is_long(record.request.get("plan"))]  # a long job: its own task
     stage_groups(svc, owner, groups)
     svc.barrier.wait(f"batch {batch_id}")
     log.info("batch %s: %d jobs staged as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)

@@ -62,8 +62,13 @@ def test_instruction_and_length_rules():
         rules.check_instruction("x" * 4001)
     with pytest.raises(ValidationError, match="instruction must be a non-empty string"):
         JobRequest(instruction="  ", gen_seconds=1.0)
-    with pytest.raises(ValidationError, match=rules.LENGTH_REQUIRED):
-        JobRequest(instruction="x")
+    assert JobRequest(instruction="x").gen_seconds is None  # the API estimates the length (longform/plan.py)
+    with pytest.raises(ValidationError, match="instruction .* or text .* is required"):
+        JobRequest(gen_seconds=1.0)
+    with pytest.raises(ValidationError, match="instruction: give the whole instruction or its parts"):
+        JobRequest(instruction="x", text="y")
+    with pytest.raises(ValidationError, match="gen_seconds is 31; a raw instruction renders in one pass"):
+        JobRequest(instruction="x", gen_seconds=31.0)
     with pytest.raises(InputError, match=rules.LENGTH_REQUIRED):
         rules.target_frames(None, None)
     for bad in (0.0, -1.0, float("nan"), float("inf"), True):

@@ -36,6 +36,9 @@ def public(svc: Services, record: JobRecord) -> dict[str, Any]:
     if result and result.get("key"):
         expires = svc.settings.presign_seconds
         body["result"] = {**result, "url": svc.storage.presign_get(result["key"], expires, bucket=result.get("bucket"))}
+        stamps = result.get("timestamps")  # a long job's subtitles beside its audio
+        if stamps and stamps.get("key"):
+            body["result"]["timestamps"] = {**stamps, "url": svc.storage.presign_get(stamps["key"], expires)}
     body["webhook"] = svc.notifier.view("job", record.id, record.request.get("webhook_url"))
     return body
 

@@ -56,7 +56,8 @@ def create_upload(
 ) -> dict:
     """Decode and store a clip; answers its id, duration, sample rate and channel count."""
     data = _read_limited(file, svc.settings.max_upload_bytes)
-    clip = decode_audio(data)  # AudioError (422) names what is wrong with the file
+    # AudioError (422) names what is wrong with the file
+    clip = decode_audio(data, max_seconds=svc.settings.max_recording_s)
     channels = _channels(data)
 
     upload_id = uuid.uuid4().hex

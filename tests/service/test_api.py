@@ -386,7 +386,7 @@ BAD_JOBS = [
     (b"[" * 100_000 + b"]" * 100_000, "application/json", 400, ["not valid JSON", "nested too deeply"]),
     ({"instruction": "x", "gen_seconds": 2, "temperature": 0.7}, None, 422, ["temperature", "unknown field"]),
     ({"gen_seconds": 2}, None, 422, ["instruction", "required"]),
-    ({"instruction": "x"}, None, 422, ["gen_seconds is required"]),
+    ({"text": " \u200b\t "}, None, 422, ["text", "empty once cleaned"]),
     ({"instruction": "x", "gen_seconds": 31}, None, 422, ["gen_seconds", "30"]),
     ({"instruction": "x", "gen_seconds": 2, "variant": "turbo"}, None, 422, ["variant"]),
     ({"instruction": "x", "audio": {"upload_id": "a", "key": "b"}}, None, 422, ["exactly one"]),
@@ -450,7 +450,7 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_worker_stays_up(service: 
             json.dumps({"instruction": "fine", "gen_seconds": 1, "custom_id": "a"}),
             "{not json",
             json.dumps({"instruction": "fine", "gen_seconds": 1, "custom_id": "a"}),
-            json.dumps({"instruction": "no length", "custom_id": "c"}),
+            json.dumps({"text": " \u200b ", "custom_id": "c"}),
             json.dumps({"instruction": "no id", "gen_seconds": 1}),
             json.dumps({"instruction": "too long", "gen_seconds": 45, "custom_id": "e"}),
             "[" * 5000 + "]" * 5000,
@@ -465,7 +465,7 @@ def test_bad_input_is_a_4xx_naming_the_problem_and_the_worker_stays_up(service: 
         assert set(by_line) == {2, 3, 4, 5, 6, 7, 8}
         assert "nested too deeply" in by_line[7] and "too many digits" in by_line[8]
         assert "JSON" in by_line[2] and "repeats line 1" in by_line[3]
-        assert "gen_seconds is required" in by_line[4] and "custom_id" in by_line[5] and "gen_seconds" in by_line[6]
+        assert "empty once cleaned" in by_line[4] and "custom_id" in by_line[5] and "gen_seconds" in by_line[6]
         assert service.redis.llen("auk.base.bulk") == bulk_before
         assert set(service.redis.scan_iter("auk:batch:*")) == batches_before
         assert service.job_keys() == jobs_before  # no job record was created by any bad request
@@ -536,10 +536,10 @@ def test_client_cli_submit_wait_fetch(service: Service, tmp_path: Path, monkeypa
         ["cli_0.wav", "cli_1.wav", "cli_2.wav", f"batch-{batch['id']}.manifest.jsonl"]
     )
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"instruction": "x", "custom_id": "only"}\n')
+    bad.write_text('{"text": " ", "custom_id": "only"}\n')
     capsys.readouterr()
     assert main_client("submit", ["--batch", str(bad)]) == 1
-    assert "line 1: gen_seconds is required" in capsys.readouterr().err
+    assert "line 1: text is empty once cleaned" in capsys.readouterr().err
     assert main_client("status", ["no-such-id"]) == 1
 
 

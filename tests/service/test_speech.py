@@ -167,7 +167,7 @@ def test_openai_sdk_streaming_response_and_voice(service: Service, tmp_path: Pat
 @pytest.mark.parametrize(("extra", "named"), [
     ({"speed": 1.5}, "speed"),
     ({"response_format": "aac"}, "aac"),
-    ({"extra_body": {"language": "English"}}, "language"),
+    ({"extra_body": {"speaker_embedding": [0.1, 0.2]}}, "speaker_embedding"),
     ({"extra_body": {"stream": True}}, "stream"),
     ({"extra_body": {"sample_rate": 16000}}, "sample_rate"),
     ({"extra_body": {"extra_params": {"t_grid": [0, 1]}}}, "extra_params.t_grid"),

@@ -203,6 +203,7 @@ class Settings:
     variant: str | None = None
     presign_seconds: int = 3600
     max_upload_bytes: int = 50 * 1024 * 1024
+    max_recording_s: float = 3600.0  # AUK_MAX_RECORDING_SECONDS: the longest clip a job reads (long recordings)
     max_kills: int = 3
     # AUK_FAULT_KILL_AFTER_FETCH: a test knob of the fault suite, 0 (off) in every deployment: a worker SIGKILLs
     # itself right after its N-th broker fetch returns a message (fetch.py).
@@ -296,6 +297,7 @@ class Settings:
             variant=_choice(env, "AUK_VARIANT", VARIANTS, None),
             presign_seconds=_int(env, "AUK_PRESIGN_SECONDS", 3600, minimum=1),
             max_upload_bytes=_int(env, "AUK_MAX_UPLOAD_BYTES", 50 * 1024 * 1024, minimum=1),
+            max_recording_s=_float(env, "AUK_MAX_RECORDING_SECONDS", 3600.0, minimum=30.0),
             max_kills=_int(env, "AUK_MAX_KILLS", 3, minimum=1),
             fault_kill_after_fetch=_int(env, "AUK_FAULT_KILL_AFTER_FETCH", 0, minimum=0),
             pipeline=_choice(env, "AUK_PIPELINE", PIPELINES, "auk"),

@@ -12,9 +12,14 @@ from typing import Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from auk_worker import formats, rules
+from auk_worker.longform import instructions as longform_instructions
+from auk_worker.longform.duration import SPEED_MAX, SPEED_MIN
+from auk_worker.longform.text import MAX_JOB_TEXT_CHARS
 
 Variant = Literal["base", "flash"]
 Priority = Literal["interactive", "bulk"]
+Task = Literal[tuple(longform_instructions.TASKS)]  # type: ignore[valid-type]
+MAX_LONG_SECONDS = 36_000.0  # a given length for a text: ten hours
 
 
 class AudioRef(BaseModel):
@@ -61,9 +66,20 @@ class JobRequest(BaseModel):
     ]})  # fmt: skip
 
     # Numbers are strict: "2" or true is refused rather than read as 2 or 1, and NaN and infinities by name.
-    instruction: str = Field(min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    # Either AuK's whole ``instruction``, or its parts, from which the service writes it (``longform/``): the
+    # ``text`` to speak (up to 100 000 characters: split into segments), a voice ``description`` (or a clip) and an
+    # extra ``style``, or a recording ``task`` (denoise, enhance...). Without ``gen_seconds`` the length is estimated.
+    instruction: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    text: str | None = Field(default=None, max_length=MAX_JOB_TEXT_CHARS)
+    task: Task | None = None
+    description: str | None = Field(default=None, min_length=1, max_length=1000)
+    style: str | None = Field(default=None, min_length=1, max_length=1000)
+    ref_text: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    language: str | None = Field(default=None, min_length=2, max_length=16)
+    speed: float | None = Field(default=None, ge=SPEED_MIN, le=SPEED_MAX, strict=True, allow_inf_nan=False)
+    timestamps: Literal["json", "srt", "vtt"] | None = None
     audio: AudioRef | None = None
-    gen_seconds: float | None = Field(default=None, gt=0, le=rules.MAX_TOTAL_SECONDS, strict=True,
+    gen_seconds: float | None = Field(default=None, gt=0, le=MAX_LONG_SECONDS, strict=True,
                                       allow_inf_nan=False)  # fmt: skip
     variant: Variant = "base"
     num_inference_steps: int | None = Field(default=None, ge=rules.STEPS.low, le=rules.STEPS.high, strict=True)
@@ -89,11 +105,27 @@ class JobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> JobRequest:
-        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error).
-        The validation context's ``has_clip`` says a clip comes another way (a speech request's inline clip)."""
-        rules.check_instruction(self.instruction)
+        """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error):
+        AuK's whole instruction or its parts, not both. The length is no longer required here: without it the API
+        estimates one once the clip is resolved (``longform/plan.py``). The validation context (``has_clip``, a
+        speech request's inline clip) is accepted for the callers that pass it."""
+        parts = [name for name in ("text", "task", "description", "style") if getattr(self, name) is not None]
+        if self.instruction is None and not parts:
+            raise ValueError("instruction (AuK's whole instruction) or text (and task: the service writes the "
+                             "instruction) is required")  # fmt: skip
+        if self.instruction is None and self.text is None and self.task is None:
+            raise ValueError(f"text (or a task) is required with {' and '.join(parts)}: they describe how to say it")
+        if self.instruction is not None and self.ref_text is not None:
+            raise ValueError("ref_text: a transcript sizes a text's segments; send the text as text, not inside a "
+                             "raw instruction")  # fmt: skip
+        if self.instruction is not None:
+            if parts:
+                raise ValueError(f"instruction: give the whole instruction or its parts ({', '.join(parts)}), "
+                                 "not both")  # fmt: skip
+            rules.check_instruction(self.instruction)
+            if self.gen_seconds is not None and self.gen_seconds > rules.MAX_TOTAL_SECONDS:
+                raise ValueError(f"gen_seconds is {self.gen_seconds:g}; a raw instruction renders in one pass of "
+                                 f"at most {rules.MAX_TOTAL_SECONDS:g} s (send text to have it split)")  # fmt: skip
         if self.audio is not None and self.voice is not None:
             raise ValueError("give audio or voice, not both: a job takes one clip")
-        given = self.audio is not None or self.voice is not None or bool((info.context or {}).get("has_clip"))
-        rules.require_length(self.gen_seconds, has_clip=given)
         return self

@@ -18,6 +18,8 @@ from auk_worker.service.connect.storage import StorageWait
 from auk_worker.service.records.jobs import JobRecord
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.worker import outcome
+from auk_worker.longform.plan import is_long
+from auk_worker.service.worker.long import render_long
 from auk_worker.service.worker.runtime import RenderRuntime, cancel_check
 from auk_worker.service.worker.steps import Progress, begin, prepare, store_result
 from auk_worker.types import RenderRequest, RenderResult
@@ -52,6 +54,9 @@ def render_group(rt: RenderRuntime, job_ids: list[str]) -> dict[str, Exception]:
         try:
             record = begin(rt, job_id)
             if record is None or record.terminal:
+                continue
+            if is_long(record.request.get("plan")):  # its segments are its own groups
+                render_long(rt, job_id, record, time.time(), time.perf_counter())
                 continue
             # A bad or missing clip fails this job only.
             request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: prepare(rt, record),

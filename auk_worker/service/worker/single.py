@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 
+from auk_worker.longform.plan import is_long
 from auk_worker.service.connect.logs import job_context
 from auk_worker.service.connect.storage import StorageWait
 from auk_worker.service.records.jobs import JobRecord
 from auk_worker.service.worker import outcome
+from auk_worker.service.worker.long import render_long
 from auk_worker.service.worker.runtime import RenderRuntime, cancel_check
 from auk_worker.service.worker.steps import Progress, begin, encode, prepare, store_result
 
@@ -24,6 +26,9 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
     record = begin(rt, job_id)
     if record is None or record.terminal:
         return record
+    if is_long(record.request.get("plan")):
+        with job_context(job_id, record.batch_id):
+            return render_long(rt, job_id, record, started_at, started)
     with job_context(job_id, record.batch_id):
         wait = StorageWait.from_settings(rt.settings)
         request, render_request = wait.call(f"fetch the clip of job {job_id}", lambda: prepare(rt, record),

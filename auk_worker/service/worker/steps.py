@@ -29,7 +29,7 @@ from auk_worker.types import RenderRequest, RenderResult
 
 log = logging.getLogger(__name__)
 
-_REQUEST_FIELDS = frozenset(JobRequest.model_fields) | {"output_format"}  # the older name of response_format
+REQUEST_FIELDS = frozenset(JobRequest.model_fields) | {"output_format"}  # the older name of response_format
 # Progress (and the cancel check riding on it) is written at most this often, and at the last step: a render of
 # 0.3 s writes once, a long one twice a second. A cancel is seen within this long (or one step, if steps are slower).
 PROGRESS_INTERVAL_S = 0.5
@@ -55,13 +55,14 @@ def begin(rt: RenderRuntime, job_id: str) -> JobRecord | None:
 def prepare(rt: RenderRuntime, record: JobRecord) -> tuple[JobRequest, RenderRequest]:
     """The record's validated request and the pipeline's request: the clip fetched and decoded (and checked, once:
     the pipeline takes the checked clip as it is), the length rule applied to it as the API applied it."""
-    fields = {k: v for k, v in record.request.items() if k in _REQUEST_FIELDS}
+    fields = {k: v for k, v in record.request.items() if k in REQUEST_FIELDS}
     request = JobRequest.model_validate(fields, context={"has_clip": bool(record.request.get("clip"))})
     clip = load_clip(rt, request, record.request.get("clip"))
+    plan = record.request.get("plan") or {}  # a one-pass plan: the instruction written and the length estimated
     render_request = RenderRequest(
-        instruction=request.instruction,
+        instruction=plan.get("instruction", request.instruction),
         audio=clip,
-        gen_seconds=request.gen_seconds,
+        gen_seconds=plan["gen_seconds"] if plan.get("kind") == "single" else request.gen_seconds,
         num_inference_steps=request.num_inference_steps,
         guidance_scale=request.guidance_scale,
         sway=request.sway,
@@ -116,7 +117,7 @@ def encode(request: JobRequest, result: RenderResult) -> tuple[formats.AudioForm
 def store_result(
     rt: RenderRuntime, job_id: str, attempt: int, request: JobRequest, result: RenderResult, wait: StorageWait,
     stages: dict[str, float], started: float,
-    encoded: tuple[formats.AudioFormat, bytes] | None = None,
+    encoded: tuple[formats.AudioFormat, bytes] | None = None, extra: dict[str, Any] | None = None,
 ) -> JobRecord | None:
     """Upload the audio to this attempt's own object (through ``wait``: an outage is waited out with the audio in
     hand) and settle the job's success naming it (``outcome.succeeded``). An attempt that no longer holds the job
@@ -135,7 +136,7 @@ def store_result(
     result.timings["store"] = time.perf_counter() - storing
     pipeline_stages = {name: s for name, s in result.timings.items() if name != "total"}  # the pipeline's own
     try:
-        return outcome.succeeded(rt, job_id, key, _result(rt, key, request, result, spec), wait,
+        return outcome.succeeded(rt, job_id, key, {**_result(rt, key, request, result, spec), **(extra or {})}, wait,
                                  stages={**stages, **pipeline_stages}, started=started, uploading=uploading)
     finally:
         _settled(notes, key)
@@ -168,7 +169,7 @@ def load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | Non
     else:
         data = rt.storage.get_bytes(*input_object(rt.settings, request.audio.key))
     digest = hashlib.sha256(data).hexdigest()
-    decoded = dataclasses.replace(decode_audio(data), key=digest)
+    decoded = dataclasses.replace(decode_audio(data, max_seconds=rt.settings.max_recording_s), key=digest)
     if cache is not None:
         cache.put(digest, "clip", decoded)
     return decoded
@@ -176,14 +177,15 @@ def load_clip(rt: RenderRuntime, request: JobRequest, clip: dict[str, Any] | Non
 
 def _metadata(job_id: str, request: JobRequest, result: RenderResult, variant: str) -> dict[str, str]:
     """Object metadata (ASCII header values): the job's parameters and the seed actually used."""
+    instruction = request.instruction or request.text or request.task or ""  # the parts: the text, or the task
     meta = {
         "job-id": job_id,
         "variant": variant,
         "seed": str(result.seed),
         "steps": str(result.num_inference_steps),
         "cfg": f"{result.guidance_scale:g}",
-        "instruction-sha256": hashlib.sha256(request.instruction.encode()).hexdigest()[:16],
-        "instruction": quote(request.instruction[:200], safe=" ,.;:!?'-_()"),
+        "instruction-sha256": hashlib.sha256(instruction.encode()).hexdigest()[:16],
+        "instruction": quote(instruction[:200], safe=" ,.;:!?'-_()"),
         "format": request.response_format,
     }
     if request.gen_seconds is not None:
