@@ -33,6 +33,7 @@ import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
 from api.deps import Services
+from api.voicing import VoiceBook, compose
 from auk_worker import rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InfraError, InputError, NoWorker
@@ -59,6 +60,7 @@ class ClipResolver:
     def __init__(self, svc: Services, owner: str) -> None:
         self.svc = svc
         self.owner = owner
+        self.voices = VoiceBook(svc, owner)
         self._by_key: dict[str, dict[str, Any]] = {}
         self._failed: dict[str, InputError] = {}
 
@@ -68,11 +70,8 @@ class ClipResolver:
         Raises ``InputError`` for an upload that is not the caller's, a missing key or a file that does not decode,
         ``InfraError`` when storage does not answer.
         """
-        if request.voice is not None:
-            voice = self.svc.voices.get(request.voice, self.owner)
-            if voice is None:
-                raise InputError(f"voice: no voice {request.voice!r} for this API key", code="unknown_voice")
-            return voice.clip(self.svc.storage.bucket)
+        if request.voice is not None:  # a clip voice's clip; a described voice has none (``api/voicing.py``)
+            return self.voices.clip(request.voice)
         audio = request.audio
         if audio is None:
             return None
@@ -137,8 +136,11 @@ def record_request(request: JobRequest, clip: dict[str, Any] | None) -> dict[str
 
 
 def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
-    """``record_request`` with the request's clip resolved."""
-    return record_request(request, resolver.resolve(request))
+    """``record_request`` with the request's clip resolved and its text composed into an instruction
+    (``api/voicing.py``)."""
+    clip = resolver.resolve(request)
+    voice = resolver.voices.find(request.voice) if request.voice is not None else None
+    return record_request(compose(request, clip, voice), clip)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -210,7 +212,7 @@ def enqueue_interactive(svc: Services, owner: str, request: JobRequest, clip: di
 def _same_request(existing: JobRecord, request: JobRequest, idempotency_key: str | None) -> JobRecord:
     """The job an earlier request with this Idempotency-Key made, if this request is the same one, so that a caller
     never takes another job for its own."""
-    sent = request.model_dump(mode="json")
+    sent = request.model_dump(mode="json", exclude_none=True)  # what the record made of a text is not compared
     if any(existing.request.get(field) != value for field, value in sent.items()):
         raise InputError(f"Idempotency-Key {idempotency_key!r} was used for job {existing.id} with a different "
                          "request; use a new key for a new job", code="idempotency_key_reused")  # fmt: skip

@@ -27,8 +27,8 @@ from api.auth import caller
 from api.deps import Services, services
 from api.errors import RETRY_AFTER_S, error_response
 from api.openapi import AUDIO_CONTENT, BODY_ERRORS, V1_ERRORS, errors
-from api.speech import SpeechRequest, resolve_clip, to_job
-from api.submit import enqueue_interactive
+from api.speech import SpeechRequest, compose_speech, in_callers_terms, resolve_clip, to_job
+from api.submit import ClipResolver, enqueue_interactive
 from auk_worker import formats
 from auk_worker.errors import InputError
 from auk_worker.service.jobs import JobStatus
@@ -64,10 +64,15 @@ def _job_error(code: str, message: str) -> JSONResponse:
 
 def _submit(svc: Services, owner: str, body: SpeechRequest) -> tuple[str, float]:
     """The job's id, and the wall time its record was written and sent from (where ``queue`` starts)."""
-    request = to_job(body)
-    clip = resolve_clip(svc, owner, body, request)
+    request, design = to_job(body)
+    resolver = ClipResolver(svc, owner)
+    clip = resolve_clip(svc, body, request, resolver)
+    request = compose_speech(body, request, design, clip, resolver)
     enqueued_at = time.time()
-    return enqueue_interactive(svc, owner, request, clip, reply=True).id, enqueued_at
+    try:
+        return enqueue_interactive(svc, owner, request, clip, reply=True).id, enqueued_at
+    except InputError as exc:  # the length rule, said with this request's field names
+        raise in_callers_terms(exc) from None
 
 
 @router.post("/audio/speech", summary="Render speech and answer with the audio (OpenAI-compatible)",

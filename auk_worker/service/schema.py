@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from auk_worker import formats, rules
+from auk_worker import formats, rules, wording
 
 Variant = Literal["base", "flash"]
 Priority = Literal["interactive", "bulk"]
@@ -58,10 +58,20 @@ class JobRequest(BaseModel):
          "response_format": "flac"},
         {"instruction": "A calm narrator: \"Welcome back.\"", "gen_seconds": 3.5, "variant": "base",
          "custom_id": "welcome-1"},
+        {"input": "Good morning, and welcome aboard.", "voice": "nova", "instructions": "Speak cheerfully.",
+         "response_format": "mp3", "custom_id": "greeting-1"},
     ]})  # fmt: skip
 
     # Numbers are strict: "2" or true is refused rather than read as 2 or 1, and NaN and infinities by name.
-    instruction: str = Field(min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    # The whole AuK instruction; or, with ``input``, made from the text and the voice at submit (``api/voicing.py``).
+    instruction: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    # The text to speak, in ``voice`` (a built-in name, a voice's id or name; none: ``default``) or the clip.
+    input: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
+    instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)  # a style, with input
+    speed: float | None = Field(default=None, ge=wording.MIN_SPEED, le=wording.MAX_SPEED, strict=True,
+                                allow_inf_nan=False)  # fmt: skip
+    language: str | None = Field(default=None, max_length=32)
+    ref_text: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)  # the clip's transcript
     audio: AudioRef | None = None
     gen_seconds: float | None = Field(default=None, gt=0, le=rules.MAX_TOTAL_SECONDS, strict=True,
                                       allow_inf_nan=False)  # fmt: skip
@@ -91,9 +101,15 @@ class JobRequest(BaseModel):
     def _rules(self, info: ValidationInfo) -> JobRequest:
         """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error).
         The validation context's ``has_clip`` says a clip comes another way (a speech request's inline clip)."""
-        rules.check_instruction(self.instruction)
+        if self.instruction is None and self.input is None:
+            raise ValueError("give input (the text to speak) or instruction (the whole AuK instruction)")
+        if self.instruction is not None:
+            rules.check_instruction(self.instruction)
+        if self.language is not None:
+            wording.language(self.language)
         if self.audio is not None and self.voice is not None:
             raise ValueError("give audio or voice, not both: a job takes one clip")
         given = self.audio is not None or self.voice is not None or bool((info.context or {}).get("has_clip"))
-        rules.require_length(self.gen_seconds, has_clip=given)
+        if self.input is None:  # with input the length is estimated from the text when not given
+            rules.require_length(self.gen_seconds, has_clip=given)
         return self
