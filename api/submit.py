@@ -195,13 +195,14 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
 
 
 def enqueue_interactive(svc: Services, owner: str, request: JobRequest, clip: dict[str, Any] | None, *,
-                        reply: bool = False) -> JobRecord:
+                        reply: bool | str = False) -> JobRecord:
     """Write and send one job whose clip is already resolved (the speech endpoint's path). ``reply``: the worker
-    pushes the encoded audio to ``auk:reply:{id}`` before it stores it (``service/replies.py``)."""
+    pushes the encoded audio to ``auk:reply:{id}`` before it stores it (``service/replies.py``); ``"stream"``: in
+    pieces as they are encoded (``auk_worker/streaming.py``)."""
     require_worker_for(svc, {request.variant})
     prepared = record_request(request, clip)
     if reply:
-        prepared["reply"] = True
+        prepared["reply"] = reply
     record = JobRecord.new(owner, prepared, queue=queue_name(request.variant, "interactive"), custom_id=request.custom_id)
     record, _ = svc.store.create(record)
     send_render(svc, record)

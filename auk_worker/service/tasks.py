@@ -65,6 +65,7 @@ from auk_worker.service.metrics import WorkerMetrics
 from auk_worker.service.schema import JobRequest
 from auk_worker.service.settings import Settings
 from auk_worker.service.storage import Storage, StorageWait, input_object, result_key, upload_key
+from auk_worker.streaming import AudioStream
 from auk_worker.types import RenderRequest, RenderResult
 from auk_worker.voice_cache import VoiceCache
 
@@ -122,8 +123,15 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
         rendering = time.perf_counter()
         result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
         encoding = time.perf_counter()
+        reply = record.request.get("reply") if rt.replies is not None else None
+        if reply == "stream":  # the pieces go out as they are encoded; the whole file is stored as for any job
+            timings = {"started_at": started_at, "prepare": rendering - started, "render": encoding - rendering}
+            stream = AudioStream(lambda header, body: rt.replies.send(job_id, header, body), request.response_format,
+                                 timings)  # fmt: skip
+            stream.feed(result.waveform)
+            stream.close()
         encoded = _encode(request, result)
-        if record.request.get("reply") and rt.replies is not None:
+        if reply is True:
             # The waiting API gets the audio now; the object and the record follow (a lost worker is redelivered:
             # the record is still running, so the job renders and stores again).
             timings = {"started_at": started_at, "prepare": rendering - started, "render": encoding - rendering,
