@@ -55,6 +55,7 @@ AUK_SENTENCES = ("Say the following", "Generate speech based on the following de
 EXTRA_PARAMS = ("num_inference_steps", "guidance_scale", "sway")
 STREAM_FORMATS = ("audio", "sse")
 FETCH_TIMEOUT_S = 10.0
+SPEECH_FORMAT = "mp3"  # OpenAI's default answer on this route (jobs keep formats.DEFAULT_FORMAT, WAV)
 # The job's names for what this request calls otherwise: errors from the job's rules are said in the caller's terms.
 JOB_NAMES = {"gen_seconds": "duration_seconds"}
 
@@ -76,7 +77,7 @@ class SpeechRequest(BaseModel):
     input: str = Field(default="", max_length=rules.MAX_INSTRUCTION_CHARS)
     voice: str | dict[str, str] | None = Field(default=None, validation_alias=AliasChoices("voice", "speaker"))
     instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
-    response_format: str = formats.DEFAULT_FORMAT
+    response_format: str = SPEECH_FORMAT
     speed: float | None = Field(default=None, ge=wording.MIN_SPEED, le=wording.MAX_SPEED, strict=True,
                                 allow_inf_nan=False)  # fmt: skip
     stream_format: Literal["audio", "sse"] | None = None

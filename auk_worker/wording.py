@@ -78,6 +78,15 @@ def language(name: str | None) -> Language:
     return found
 
 
+def read_as(lang: Language | None, text: str) -> Language:
+    """The language ``text`` is read in: the one named, or for ``auto`` Chinese when the text is mostly CJK
+    (characters the Chinese rate fits better than the English one), else ``auto`` itself."""
+    lang = lang or LANGUAGES["auto"]
+    if lang.name == "auto" and len(_CJK.findall(text)) > len(text.strip()) / 2:
+        return LANGUAGES["chinese"]
+    return lang
+
+
 def check_speed(speed: float | None) -> float:
     """``speed`` (default 1.0) when in [0.25, 4.0]."""
     if speed is None:
@@ -95,10 +104,7 @@ def estimate_seconds(text: str, *, speed: float = 1.0, lang: Language | None = N
     if ref_text and ref_text.strip() and ref_seconds:
         seconds = ref_seconds * len(text.encode()) / len(ref_text.strip().encode())
     else:
-        lang = lang or LANGUAGES["auto"]
-        if lang.name == "auto" and len(_CJK.findall(text)) > len(text) / 2:
-            lang = LANGUAGES["chinese"]
-        seconds = len(text) / lang.chars_per_second + 0.3  # a breath of lead-in and trail
+        seconds = len(text) / read_as(lang, text).chars_per_second + 0.3  # a breath of lead-in and trail
     return round(max(MIN_ESTIMATE_S, seconds / speed), 2)
 
 
@@ -131,10 +137,11 @@ def describe(description: str, style: str | None = None) -> str:
 
 
 def instruct(description: str, text: str, lang: Language | None = None) -> str:
-    """Instruct TTS: speak ``text`` in the voice ``description`` gives."""
-    if lang is not None and lang.chinese_wording:
+    """Instruct TTS: speak ``text`` in the voice ``description`` gives (the Chinese sentence for Chinese text)."""
+    if read_as(lang, text).chinese_wording:
         return f"请基于下面的描述: {quoted(description)},生成语音内容{quoted(text)}."
-    return f"Generate speech based on the following description: {quoted(description)}. The content to speak is: {quoted(text)}."
+    return (f"Generate speech based on the following description: {quoted(description)}. "
+            f"The content to speak is: {quoted(text)}.")
 
 
 def zero_shot(text: str) -> str:
