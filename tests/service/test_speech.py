@@ -556,7 +556,8 @@ def test_every_format_on_jobs_and_batch_lines(service: Service) -> None:
 def test_a_voice_renders_bit_identical_from_the_workers_cache(service: Service, redis_server: RedisServer,
                                                               s3_server: S3Server, tmp_path: Path) -> None:  # fmt: skip
     """A real worker on the tiny Flash checkpoint (CPU): the same voice and seed twice through the speech endpoint
-    give the same bytes, and the second render read the voice from the worker's cache (no reference encode)."""
+    give the same bytes, and the second render read the voice from the worker's cache (no reference encode); a
+    built-in voice by name renders bit-identically run to run."""
     from auk_dev.tiny import make_tiny_checkpoint
     from tests.service.harness import REPO
 
@@ -572,8 +573,19 @@ def test_a_voice_renders_bit_identical_from_the_workers_cache(service: Service, 
             answers = [auk.speech(ZERO_SHOT, voice=voice.voice_id, variant="flash", seed=5, duration_seconds=0.4)
                        for _ in range(2)]  # fmt: skip
             jobs = [auk.wait_job(answer.job_id, interval=0.05, timeout=60) for answer in answers]
+            # A built-in voice by name: its fixed description and seed give the same bytes every time, and another
+            # name gives other bytes (the test could fail on either side).
+            with service.http() as http:
+                named = [http.post("/v1/audio/speech", json={"model": "auk-flash", "voice": name, "input": "Hello.",
+                                                             "response_format": "wav_float"})
+                         for name in ("nova", "nova", "onyx")]  # fmt: skip
     finally:
         worker.terminate(timeout=30)
+    assert [answer.status_code for answer in named] == [200, 200, 200]
+    # The float samples themselves (libsndfile stamps a float WAV's PEAK chunk with the time it was written).
+    first, again, other = (decode(answer.content, "wav_float")[0] for answer in named)
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    assert np.abs(first).max() > 0
     assert answers[0].audio == answers[1].audio
     samples, rate, _ = decode(answers[0].audio, "wav")
     assert rate == SR and len(samples) == expected_samples(0.4) and np.abs(samples).max() > 0
