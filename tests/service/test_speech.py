@@ -84,14 +84,14 @@ def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int, int]:
         samples = np.frombuffer(data, dtype="<i2").astype(np.float32)[:, None] / 32768
         return samples, SR, 1
     if fmt == "aac":
-        return decode_ffmpeg(data)
+        return decode_ffmpeg(data, "aac")
     samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     return samples, rate, samples.shape[1]
 
 
-def decode_ffmpeg(data: bytes) -> tuple[np.ndarray, int, int]:
+def decode_ffmpeg(data: bytes, demuxer: str | None = None) -> tuple[np.ndarray, int, int]:
     """FFmpeg's decode (PyAV): (samples [t, channels], rate, channels); Opus decodes at 48 kHz there."""
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), format=demuxer) as container:  # a short ADTS stream is not probed: name it
         stream = container.streams.audio[0]
         frames = [frame.to_ndarray() for frame in container.decode(stream)]
         rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
