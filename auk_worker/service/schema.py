@@ -102,7 +102,7 @@ class JobRequest(BaseModel):
         """The rules that need no clip (an InputError is a ValueError: pydantic reports it as a validation error).
         The validation context's ``has_clip`` says a clip comes another way (a speech request's inline clip)."""
         if self.instruction is None and self.input is None:
-            raise ValueError("give input (the text to speak) or instruction (the whole AuK instruction)")
+            raise ValueError("instruction (the whole AuK instruction) or input (the text to speak) is required")
         if self.instruction is not None:
             rules.check_instruction(self.instruction)
         if self.language is not None:
