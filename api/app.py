@@ -32,6 +32,7 @@ from auk_worker.service.fairshare import Feeder
 from auk_worker.service.quotas import RateLimiter, async_redis_client
 from auk_worker.service import retention
 from auk_worker.service.metrics import ApiMetrics, RequestMetricsMiddleware
+from auk_worker.voice_catalogue import load_catalogue
 from auk_worker.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
         generate_unique_id_function=operation_id,
     )
     app.state.services = built
+    load_catalogue()  # the built-in voices, read strictly now: a bad config/voices.yaml stops the API at start-up
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)
