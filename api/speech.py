@@ -36,8 +36,8 @@ from api.deps import Services
 from api.submit import ClipResolver
 from api.voicing import compose
 from auk_worker import formats, rules, wording
-from auk_worker.errors import InputError, TooLarge
 from auk_worker.audio import decode_audio
+from auk_worker.errors import InputError, TooLarge
 from auk_worker.service.schema import AudioRef, JobRequest
 from auk_worker.service.storage import clip_key
 from auk_worker.types import SAMPLE_RATE
@@ -50,10 +50,8 @@ MODELS: dict[str, str | None] = {
     "tencent/AuK-Flash": "flash", "AuK-Flash": "flash", "auk-flash": "flash",
     "tts-1": None, "tts-1-hd": None, "gpt-4o-mini-tts": None, "gpt-4o-mini-tts-2025-12-15": None,  # OpenAI's names
 }  # fmt: skip
-TASK_TYPES = ("Base", "CustomVoice", "VoiceDesign")
 AUK_SENTENCES = ("Say the following", "Generate speech based on the following description", "请基于下面的描述")
 EXTRA_PARAMS = ("num_inference_steps", "guidance_scale", "sway")
-STREAM_FORMATS = ("audio", "sse")
 FETCH_TIMEOUT_S = 10.0
 SPEECH_FORMAT = "mp3"  # OpenAI's default answer on this route (jobs keep formats.DEFAULT_FORMAT, WAV)
 # The job's names for what this request calls otherwise: errors from the job's rules are said in the caller's terms.

@@ -5,8 +5,8 @@ transcript of its clip (``ref_text``); AuK takes one instruction and a target le
 into the other, with the upstream cookbook's sentences (auk-model.md 6.2):
 
 - a described voice (instruct TTS): ``Generate speech based on the following description: "<description>". The
-  content to speak is: "<text>".``, or its Chinese form ``请基于下面的描述: "<描述>",生成语音内容"<文本>".`` when the
-  request's language is Chinese; a style (OpenAI's ``instructions``) is added to the description;
+  content to speak is: "<text>".``, or its Chinese form ``请基于下面的描述: "<描述>",生成语音内容"<文本>".``
+  for Chinese text; a style (OpenAI's ``instructions``) is added to the description;
 - a clip (zero-shot TTS): ``Say the following with the same voice: "<text>"``.
 
 The length, when the caller gives none, is estimated as the upstream CLI estimates it: from the clip's transcript,
@@ -108,7 +108,8 @@ def estimate_seconds(text: str, *, speed: float = 1.0, lang: Language | None = N
     return round(max(MIN_ESTIMATE_S, seconds / speed), 2)
 
 
-def check_agreement(duration_s: float, natural_s: float, speed: float, duration_field: str = "duration_seconds") -> None:
+def check_agreement(duration_s: float, natural_s: float, speed: float,
+                    duration_field: str = "duration_seconds") -> None:
     """A given duration with a speed other than 1.0: refused only when the two disagree, i.e. the speed the duration
     implies (``natural_s / duration_s``) is more than ``SPEED_TOLERANCE`` times away from ``speed``."""
     if speed == 1.0:

@@ -184,7 +184,8 @@ class SpeechBench:
         for _ in range(requests):
             for name, body in bodies.items():
                 runs[name].append(self.first_and_last(body))
-        return {name: {"first_byte_ms": _stats([run[0] for run in rows]), "last_byte_ms": _stats([run[1] for run in rows]),
+        return {name: {"first_byte_ms": _stats([run[0] for run in rows]),
+                       "last_byte_ms": _stats([run[1] for run in rows]),
                        "chunks": _stats([float(run[2]) for run in rows]), "bytes": rows[0][3]}
                 for name, rows in runs.items()}  # fmt: skip
 

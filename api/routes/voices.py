@@ -4,7 +4,8 @@ voices of ``config/voices.yaml``.
 ``POST /v1/voices`` takes a multipart ``file`` (and an optional ``name``), JSON ``{"upload_id", "name"}`` for an
 upload made earlier, or JSON ``{"description", "name", "seed"?}`` for a voice made from a written description (AuK's
 instruct TTS, as the built-in voices are; without a seed one is drawn once and kept, so the voice keeps its timbre).
-``GET /v1/voices`` lists the caller's voices, newest first (``limit``, 1 to 500), and the built-in ones. The clip is decoded as an upload is (a clip that makes a voice is a clip that renders) and
+``GET /v1/voices`` lists the caller's voices, newest first (``limit``, 1 to 500), and the built-in ones. The clip
+is decoded as an upload is (a clip that makes a voice is a clip that renders) and
 copied to the voice's own object, so the voice outlives its upload. A voice belongs to the key that made it:
 another key's voice answers 404 like one that does not exist. ``DELETE`` removes the record and the object; a job
 already queued with that voice then fails with ``audio_not_found``.
@@ -54,7 +55,8 @@ _VOICE_BODY_DOC = {
             "application/json": {
                 "schema": {"oneOf": [
                     {"type": "object", "required": ["upload_id"], "additionalProperties": False,
-                     "properties": {"upload_id": {"type": "string"}, "name": {"type": "string", "maxLength": MAX_NAME}}},
+                     "properties": {"upload_id": {"type": "string"},
+                                    "name": {"type": "string", "maxLength": MAX_NAME}}},
                     {"type": "object", "required": ["description"], "additionalProperties": False,
                      "properties": {"description": {"type": "string", "minLength": 1,
                                                     "maxLength": MAX_DESCRIPTION_CHARS},
@@ -114,7 +116,8 @@ async def _source(request: Request, svc: Services, owner: str) -> tuple[bytes | 
     raise UnsupportedMediaType(f"a voice is a multipart file or JSON with an upload_id, not {content_type!r}")
 
 
-@router.post("/voices", status_code=201, summary="Make a reusable voice from a clip or a description", openapi_extra=_VOICE_BODY_DOC,
+@router.post("/voices", status_code=201, summary="Make a reusable voice from a clip or a description",
+             openapi_extra=_VOICE_BODY_DOC,
              **documented(VoiceOut, *BODY_ERRORS, status=201, description="The voice.",
                           follow=links("voice_id", GetVoice=("get_voice", "voice_id"),
                                        DeleteVoice=("delete_voice", "voice_id"))))
@@ -141,8 +144,9 @@ def _describe_voice(svc: Services, owner: str, body: dict) -> dict:
     name = _name(body.get("name"))
     if load_catalogue().get(name) is not None:
         raise InputError(f"name: {name!r} is a built-in voice's name; choose another")
-    voice = Voice(voice_id=new_voice_id(), owner=owner, name=name, key="", sha256="", duration_s=0.0, sample_rate=0,
-                  samples=0, channels=0, created_at=utc_now(), description=description.strip(), seed=int(seed))  # fmt: skip
+    voice = Voice(voice_id=new_voice_id(), owner=owner, name=name, key="", sha256="", duration_s=0.0,
+                  sample_rate=0, samples=0, channels=0, created_at=utc_now(), description=description.strip(),
+                  seed=int(seed))  # fmt: skip
     svc.voices.add(voice)
     log.info("voice %s: described, seed %d, for owner %s", voice.voice_id, voice.seed, owner)
     return voice.public()

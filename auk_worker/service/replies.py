@@ -9,7 +9,8 @@ The message is one binary value: a JSON header line, ``\\n``, then the audio byt
 ``{"status": "succeeded", "content_type", "format", "timings": {...}, "pushed_at"}`` or ``{"status": "failed",
 "code", "message"}``. A streamed answer (``stream_format``) is many messages on the same list, read in order: a
 ``{"status": "piece", "seq", ...}`` per encoded piece, then the ``succeeded`` one with ``"final": true`` carrying
-the encoder's tail (``auk_worker/streaming.py``, ``AudioStream``). A message nobody takes (the caller hung up) expires with its list.
+the encoder's tail (``auk_worker/streaming.py``, ``AudioStream``). A message nobody takes (the caller hung up)
+expires with its list.
 
 Nothing is lost if the answer was sent and the worker then dies: the task is acknowledged late, so the record is
 still ``running`` and the job is delivered again, rendered with its own seed and stored. A redelivery pushes a
