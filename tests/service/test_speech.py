@@ -275,7 +275,9 @@ def test_speed_style_language_and_transcript(service: Service) -> None:
         ref = "data:audio/wav;base64," + base64.b64encode(wav_bytes(1.0)).decode()
         said = "Hello, this is a cloned voice speaking."
         cloned = http.post("/v1/audio/speech", json={"task_type": "Base", "input": said, "ref_audio": ref,
-                                                     "ref_text": "Original transcript.", "response_format": "pcm"})
+                                                     "ref_text": "Original transcript.", "response_format": "pcm",
+                                                     "language": "Auto", "x_vector_only_mode": False,
+                                                     "max_new_tokens": 2048, "initial_codec_chunk_frames": 0})
         assert cloned.status_code == 200, cloned.text
         expected = wording.estimate_seconds(said, ref_text="Original transcript.", ref_seconds=1.0)
         assert len(cloned.content) == expected_samples(expected) * 2
