@@ -34,6 +34,7 @@ from auk_worker.service.ops import retention
 from api.metrics import ApiMetrics, RequestMetricsMiddleware
 from auk_worker.service.connect.redis import async_redis_client
 from auk_worker.service.connect.settings import Settings
+from auk_worker.voice_catalogue import load_catalogue
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
         generate_unique_id_function=operation_id,
     )
     app.state.services = built
+    load_catalogue()  # the built-in voices, read strictly now: a bad config/voices.yaml stops the API at start-up
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)

@@ -198,7 +198,10 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         response = error_response(exc.error)
         response.headers["Connection"] = "close"
         return response
-    codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 413: "too_large"}
+    # Every status a route or Starlette raises, with a code the error table lists: a 4xx without its own code is a
+    # refused request (``invalid_request``), a 5xx an ``internal`` fault.
+    codes = {400: "malformed_body", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+             408: "body_timeout", 413: "too_large", 415: "unsupported_media_type"}  # fmt: skip
     message = exc.detail if isinstance(exc.detail, str) else "request refused"
     # FastAPI's own body parsing fails past json.loads' JSONDecodeError with a bare "error parsing the body";
     # the cause it chains says what was wrong.
@@ -207,7 +210,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _malformed_json(f"the request body is not valid JSON: {reason}")
     if exc.status_code == 404 and message == "Not Found":
         message = "no such endpoint"
-    return JSONResponse(_body(codes.get(exc.status_code, "http_error"), message), status_code=exc.status_code,
+    fallback = "invalid_request" if exc.status_code < 500 else "internal"
+    return JSONResponse(_body(codes.get(exc.status_code, fallback), message), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
 
 

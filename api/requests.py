@@ -1,33 +1,25 @@
-"""The API's own request body: the speech request, OpenAI's ``POST /v1/audio/speech`` body, vLLM-Omni's AuK fields
-and this service's extras, turned into a ``JobRequest`` (the job's shape shared with the worker,
-``auk_worker/service/records/requests.py``) and its resolved clip. The answers' shapes are in ``responses.py``.
+"""The speech request: OpenAI's ``POST /v1/audio/speech`` body, vLLM-Omni's speech fields (and its AuK serving's), and
+this service's extras, turned into a ``JobRequest`` and its resolved clip. ``docs/speech.md`` has the table of every
+field and what is done with it.
 
-Fields, by origin:
+What the text is:
 
-- OpenAI: ``model``, ``input``, ``voice``, ``instructions``, ``response_format``, ``speed`` (1.0 only: AuK has no
-  speed control; a speed edit is an instruction), ``stream_format`` (``audio`` is not offered: the whole clip
-  renders at once).
-- vLLM-Omni's AuK serving: ``task_type`` (``Base``, ``CustomVoice``), ``ref_audio``, ``duration_seconds``,
-  ``extra_params`` (``num_inference_steps``, ``guidance_scale``, ``sway``), ``seed``, ``stream`` (false only),
-  ``sample_rate`` (24000 only).
-- This service: ``variant``, ``num_inference_steps``, ``guidance_scale``, ``sway``, ``audio`` (``{"upload_id"}`` or
-  ``{"key"}``, as on jobs), ``custom_id``.
+- With a ``voice`` (a built-in name such as ``alloy``, a voice's id or name) or a ``task_type``, ``input`` is the text
+  to speak, made into AuK's instruction by ``api/voicing.py`` (a described voice: instruct TTS, with
+  ``instructions`` as a speaking style; a clip: zero-shot TTS). ``task_type`` ``VoiceDesign`` takes the voice's
+  description from ``instructions``; ``CustomVoice`` without a voice speaks in ``default``.
+- With a blank ``input``, a non-blank ``instructions`` is the whole AuK instruction (vLLM-Omni's AuK shape).
+- With neither a voice nor a ``task_type``, ``input`` is the whole AuK instruction, as before named voices existed;
+  an ``input`` that already starts with one of AuK's sentences is taken whole in every case.
 
-The instruction is chosen as vLLM-Omni's AuK adapter chooses it: a non-blank ``instructions`` is the whole AuK
-instruction (``input`` is then ignored); otherwise ``task_type`` ``Base`` makes ``Say the following with the same
-voice: "<input>"`` and ``CustomVoice`` makes ``Say the following: "<input>"`` (unless ``input`` already starts with
-one of those); otherwise ``input`` is the text to speak, as OpenAI means it (up to 4 096 characters; an input that
-is already one of AuK's speaking instructions stays the whole instruction): the service writes the instruction
-(zero-shot with a clip, a described voice without) and splits a long text into segments (``auk_worker/longform``).
-Without ``duration_seconds`` the length is estimated from the text.
+The length is ``duration_seconds``, else estimated from the text at ``speed`` (and ``language``, ``ref_text``);
+a whole instruction without a clip needs ``duration_seconds``.
 
-The clip is at most one of ``voice`` (a ``voice_id``), ``ref_audio`` (base64, a ``data:`` URL, or an ``http(s)``
-URL fetched only from hosts ``AUK_FETCH_ALLOW`` lists, through ``urlguard.py``) and ``audio``. An inline clip is
-stored once per owner and content (``clips/<owner>/<sha256>``) so that the job's record points at a durable copy.
+The clip is at most one of a clip ``voice``, ``ref_audio`` (base64, a ``data:`` URL, or an ``http(s)`` URL fetched
+only from hosts ``AUK_FETCH_ALLOW`` lists, through ``urlguard.py``) and ``audio``. An inline clip is stored once per
+owner and content (``clips/<owner>/<sha256>``) so that the job's record points at a durable copy.
 
-``ref_text`` (vLLM-Omni's: the clip's transcript) and ``language`` size the estimated length (``longform/duration.py``)
-and pick the instruction's wording. Other fields of OpenAI's or vLLM-Omni's shapes (``speaker_embedding``...) are
-refused by name as unknown fields: this model cannot honour them.
+Errors name the fields as this request names them (``duration_seconds``, never the job's ``gen_seconds``).
 """
 
 from __future__ import annotations
@@ -35,67 +27,82 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from api.deps import Services
 from api.submit import ClipResolver
-from auk_worker import formats, rules
+from api.voicing import compose
+from auk_worker import formats, rules, wording
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, TooLarge
-from auk_worker.longform.instructions import speaks
-from auk_worker.longform.text import MAX_SPEECH_TEXT_CHARS, clean_text
+from auk_worker.longform.text import MAX_SPEECH_TEXT_CHARS
 from auk_worker.service.records.requests import AudioRef, JobRequest
 from auk_worker.service.records.objects import clip_key
 from auk_worker.types import SAMPLE_RATE
 from auk_worker.urlguard import UrlGuard, UrlPolicy, pinned_request
+from auk_worker.voice_catalogue import NamedVoice
 
 # Names a caller may give as ``model``, and the variant each means (None: the request's ``variant``, else base).
 MODELS: dict[str, str | None] = {
     "auk": None, "tencent/AuK": "base", "AuK": "base", "auk-base": "base",
     "tencent/AuK-Flash": "flash", "AuK-Flash": "flash", "auk-flash": "flash",
-    "tts-1": None, "tts-1-hd": None, "gpt-4o-mini-tts": None,  # OpenAI's names, for SDK defaults
+    "tts-1": None, "tts-1-hd": None, "gpt-4o-mini-tts": None, "gpt-4o-mini-tts-2025-12-15": None,  # OpenAI's names
 }  # fmt: skip
-TASK_TEMPLATES = {"Base": "Say the following with the same voice: ", "CustomVoice": "Say the following: "}
+AUK_SENTENCES = ("Say the following", "Generate speech based on the following description", "请基于下面的描述")
 EXTRA_PARAMS = ("num_inference_steps", "guidance_scale", "sway")
 FETCH_TIMEOUT_S = 10.0
+SPEECH_FORMAT = "mp3"  # OpenAI's default answer on this route (jobs keep formats.DEFAULT_FORMAT, WAV)
+# The job's names for what this request calls otherwise: errors from the job's rules are said in the caller's terms.
+JOB_NAMES = {"gen_seconds": "duration_seconds"}
 
 
 class SpeechRequest(BaseModel):
     """The body of ``POST /v1/audio/speech``; unknown fields are refused by name."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"model": "auk", "input": "The last train leaves at midnight.", "voice": "voice_3f9a1c2b",
-         "task_type": "Base", "response_format": "mp3"},
-        {"model": "auk", "input": "Welcome back.", "instructions": "A calm narrator: \"Welcome back.\"",
-         "duration_seconds": 3.0, "response_format": "wav", "seed": 7},
+        {"model": "tts-1", "input": "The last train leaves at midnight.", "voice": "alloy"},
+        {"model": "auk", "input": "Welcome back.", "voice": "nova", "instructions": "Speak cheerfully.",
+         "speed": 1.25, "response_format": "mp3", "stream_format": "audio"},
+        {"model": "auk", "input": "", "instructions": "Say the following with the same voice: \"Welcome back.\"",
+         "ref_audio": "data:audio/wav;base64,UklGRi...", "duration_seconds": 3.0, "response_format": "wav",
+         "seed": 7},
     ]})  # fmt: skip
 
+    # OpenAI's fields
     model: str | None = None
-    input: str = Field(default="", max_length=MAX_SPEECH_TEXT_CHARS)
-    voice: str | dict[str, str] | None = None
+    input: str = Field(default="", max_length=MAX_SPEECH_TEXT_CHARS)  # OpenAI's limit; longer texts split
+    voice: str | dict[str, str] | None = Field(default=None, validation_alias=AliasChoices("voice", "speaker"))
     instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
-    response_format: str = formats.DEFAULT_FORMAT
-    speed: float | None = None
-    stream: bool | None = None
-    stream_format: str | None = None
-    sample_rate: int | None = None
+    response_format: str = SPEECH_FORMAT
+    speed: float | None = Field(default=None, ge=wording.MIN_SPEED, le=wording.MAX_SPEED, strict=True,
+                                allow_inf_nan=False)  # fmt: skip
+    stream_format: Literal["audio", "sse"] | None = None
+    # vLLM-Omni's speech fields
+    stream: bool | None = Field(default=None, strict=True)
     task_type: Literal["Base", "CustomVoice", "VoiceDesign"] | None = None
+    language: str | None = Field(default=None, max_length=32)
     ref_audio: str | list[str] | None = None
-    duration_seconds: float | None = Field(default=None, allow_inf_nan=False)
+    ref_text: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
+    x_vector_only_mode: bool | None = Field(default=None, strict=True)
+    speaker_embedding: list[float] | None = None
+    max_new_tokens: int | None = Field(default=None, ge=1, strict=True)
+    initial_codec_chunk_frames: int | None = Field(default=None, ge=0, strict=True)
+    # vLLM-Omni's AuK serving's fields
+    sample_rate: int | None = Field(default=None, strict=True)
+    duration_seconds: float | None = Field(default=None, gt=0, le=rules.MAX_TOTAL_SECONDS, strict=True,
+                                           allow_inf_nan=False)  # fmt: skip
     extra_params: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=rules.SEED.low, lt=rules.SEED.high, strict=True)
+    # this service's
     variant: Literal["base", "flash"] | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     sway: float | None = None
     audio: AudioRef | None = None
     custom_id: str | None = Field(default=None, max_length=256)
-    ref_text: str | None = Field(default=None, min_length=1, max_length=rules.MAX_INSTRUCTION_CHARS)
-    language: str | None = Field(default=None, min_length=2, max_length=16)
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -107,28 +114,62 @@ class SpeechRequest(BaseModel):
             voice = voice["id"]
         return voice or None
 
+    @property
+    def streams(self) -> str | None:
+        """How the answer goes out: None (one body), ``audio`` (chunked) or ``sse`` (events)."""
+        if self.stream_format == "sse":
+            return "sse"
+        if self.stream or self.stream_format == "audio":
+            return "audio"
+        return None
+
 
 def _refuse(field: str, message: str) -> InputError:
     return InputError(f"{field}: {message}", code="unsupported_field")
 
 
-def instruction_of(body: SpeechRequest) -> str:
-    """The AuK instruction, chosen as vLLM-Omni's AuK adapter chooses it (see the module docstring)."""
-    if body.instructions and body.instructions.strip():
-        return body.instructions.strip()
+def _text_fields(body: SpeechRequest) -> dict[str, Any]:
+    """The job's fields for the text: a whole ``instruction``, or ``input`` and what goes with it."""
     text = body.input.strip()
+    whole = body.instructions.strip() if body.instructions else ""
     if not text:
-        raise InputError("input: give the text (or the whole AuK instruction in instructions)")
-    if body.task_type in TASK_TEMPLATES and not text.startswith(tuple(TASK_TEMPLATES.values())):
-        return TASK_TEMPLATES[body.task_type] + json.dumps(text, ensure_ascii=False)
-    return text
+        if not whole:
+            raise InputError("input: give the text to speak (or the whole AuK instruction in instructions)")
+        return _whole(body, whole)
+    if text.startswith(AUK_SENTENCES):
+        return _whole(body, text)
+    if body.voice is None and body.task_type is None and body.ref_audio is None and body.audio is None:
+        return _whole(body, text)  # the whole instruction, as before named voices
+    fields: dict[str, Any] = {"input": text, "language": body.language, "speed": body.speed,
+                              "ref_text": body.ref_text}  # fmt: skip
+    if body.task_type == "VoiceDesign":
+        if not whole:
+            raise InputError("instructions: task_type VoiceDesign describes the voice in instructions")
+        if body.voice is not None:
+            raise InputError("voice: task_type VoiceDesign makes the voice from instructions; give no voice")
+        fields["voice"] = None
+        fields["design"] = whole
+    else:
+        fields["instructions"] = whole or None
+    return fields
 
 
-def is_plain_text(body: SpeechRequest) -> bool:
-    """``input`` is the text to speak (OpenAI's meaning) unless ``instructions`` or ``task_type`` is given (vLLM-Omni's
-    adapter) or ``input`` is already one of AuK's speaking instructions."""
-    has_instructions = bool(body.instructions and body.instructions.strip())
-    return not has_instructions and body.task_type is None and not speaks(body.input.strip())
+def _whole(body: SpeechRequest, instruction: str) -> dict[str, Any]:
+    """A whole AuK instruction: ``language`` and ``ref_text`` have nothing to act on and are let pass (vLLM-Omni's
+    clients send them); a speed would be lost, so it is refused."""
+    if body.speed is not None and body.speed != 1.0:
+        raise _refuse("speed", "scales the length of a text given as input; with a whole instruction, give "
+                               "duration_seconds (or ask for the speed in the instruction)")  # fmt: skip
+    if body.language is not None:
+        wording.language(body.language)
+    return {"instruction": instruction}
+
+
+def design_voice(description: str) -> NamedVoice:
+    """The voice ``task_type`` ``VoiceDesign`` describes; its seed follows from the description, so the same
+    description is the same voice."""
+    digest = hashlib.sha256(description.encode()).digest()
+    return NamedVoice("design", description, int.from_bytes(digest[:8], "big") % rules.SEED.high)
 
 
 def _variant(body: SpeechRequest) -> str:
@@ -162,47 +203,78 @@ def _knobs(body: SpeechRequest) -> dict[str, Any]:
 
 def check_unsupported(body: SpeechRequest) -> None:
     """Refuse, by name, what this service cannot do."""
-    if body.speed is not None and body.speed != 1.0:
-        raise _refuse("speed", f"only 1.0 is supported, got {body.speed!r} (ask for a speed edit in the instruction)")
-    if body.stream:
-        raise _refuse("stream", "streaming is not offered: the whole clip renders at once; send stream=false")
-    if body.stream_format is not None:
-        raise _refuse("stream_format", f"{body.stream_format!r} is not offered: the answer is the whole file")
     if body.sample_rate is not None and body.sample_rate != SAMPLE_RATE:
         raise _refuse("sample_rate", f"the audio is rendered at {SAMPLE_RATE} Hz only, got {body.sample_rate!r}")
-    if body.task_type == "VoiceDesign":
-        raise _refuse("task_type", "'VoiceDesign' is not an AuK task; describe the voice in the instruction")
+    if body.x_vector_only_mode:
+        raise _refuse("x_vector_only_mode", "AuK has no speaker-embedding mode; it reads the whole clip")
+    if body.speaker_embedding is not None:
+        raise _refuse("speaker_embedding", "AuK takes a clip or a description, not an embedding vector")
     if isinstance(body.ref_audio, list):
         raise _refuse("ref_audio", "one reference clip per request")
     given = [name for name in ("voice", "ref_audio", "audio") if getattr(body, name) is not None]
     if len(given) > 1:
-        raise _refuse(given[1], f"give one clip: {' and '.join(given)} were both given")
+        raise _refuse(given[1], f"give one clip or voice: {' and '.join(given)} were both given")
     try:
-        formats.get_format(body.response_format)
+        spec = formats.get_format(body.response_format)
     except InputError as exc:
         raise InputError(f"response_format: {exc.message}", code=exc.code) from None
+    if body.streams is not None and not spec.streams:
+        offered = ", ".join(name for name, fmt in formats.FORMATS.items() if fmt.streams)
+        field = "stream_format" if body.stream_format else "stream"
+        raise _refuse(field, f"{spec.name} does not stream (its header or index needs the whole file); "
+                             f"stream one of {offered}, or ask for the whole file")  # fmt: skip
 
 
-def to_job(body: SpeechRequest) -> JobRequest:
-    """The ``JobRequest`` the speech request stands for (its inline ``ref_audio`` is resolved separately)."""
+def to_job(body: SpeechRequest) -> tuple[JobRequest, str | None]:
+    """The ``JobRequest`` the speech request stands for, before its text is composed (``compose``), and the voice
+    description of a ``VoiceDesign`` request."""
     check_unsupported(body)
+    text = _text_fields(body)
+    design = text.pop("design", None)
     fields: dict[str, Any] = {
         "variant": _variant(body),
         "response_format": body.response_format,
         "priority": "interactive",
         **_knobs(body),
+        **{name: value for name, value in text.items() if value is not None},
     }
-    if is_plain_text(body):  # OpenAI's shape: the text to speak; the service writes the instruction and splits it
-        fields["text"] = clean_text(body.input, "input", MAX_SPEECH_TEXT_CHARS)
-    else:
-        fields["instruction"] = instruction_of(body)
     for name, value in (("gen_seconds", body.duration_seconds), ("seed", body.seed), ("custom_id", body.custom_id),
-                        ("voice", body.voice), ("audio", body.audio), ("ref_text", body.ref_text),
-                        ("language", body.language)):  # fmt: skip
-        if value is not None:
+                        ("voice", body.voice), ("audio", body.audio)):  # fmt: skip
+        if value is not None and not (name == "voice" and design):
             fields[name] = value
-    return JobRequest.model_validate(fields, context={"has_clip": body.ref_audio is not None})
+    has_clip = body.ref_audio is not None
+    if "instruction" in fields and fields.get("gen_seconds") is None and not has_clip and body.voice is None \
+            and body.audio is None:
+        raise InputError("duration_seconds: required with a whole instruction and no clip (or give the text as "
+                         "input with a voice, whose length is estimated)")  # fmt: skip
+    try:
+        return JobRequest.model_validate(fields, context={"has_clip": has_clip}), design
+    except ValidationError as exc:
+        raise in_callers_terms(exc) from None
 
+
+def in_callers_terms(exc: ValidationError | InputError) -> InputError:
+    """A job rule's error said with this request's field names."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            field = ".".join(JOB_NAMES.get(str(p), str(p)) for p in err.get("loc", ()))
+            message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            parts.append(f"{field}: {message}" if field else message)
+        message, code = "; ".join(parts), "invalid_request"
+        for job_name, name in JOB_NAMES.items():
+            message = message.replace(job_name, name)
+        return InputError(message, code=code)
+    message = exc.message
+    for job_name, name in JOB_NAMES.items():
+        message = message.replace(job_name, name)
+    exc.args = (message, *exc.args[1:])  # the same error (class, code, details), said in the caller's terms
+    return exc
+
+
+def design_or_none(design: str | None) -> NamedVoice | None:
+    """A ``VoiceDesign`` request's voice: its description, with the default voice's seed."""
+    return design_voice(design) if design is not None else None
 
 def ref_audio_bytes(svc: Services, ref: str) -> bytes:
     """The bytes of a ``ref_audio``: base64 (optionally as a ``data:`` URL), or an allowed ``http(s)`` URL."""
@@ -238,14 +310,15 @@ def ref_audio_bytes(svc: Services, ref: str) -> bytes:
         raise InputError("ref_audio: not base64 data, a data: URL or an http(s) URL") from None
 
 
-def resolve_clip(svc: Services, owner: str, body: SpeechRequest, request: JobRequest) -> dict[str, Any] | None:
+def resolve_clip(svc: Services, body: SpeechRequest, request: JobRequest,
+                 resolver: ClipResolver) -> dict[str, Any] | None:
     """The clip the job will read: an inline ``ref_audio`` decoded, checked and stored (content-addressed), or the
     voice or upload as any job resolves it."""
+    owner = resolver.owner
     if body.ref_audio is None:
-        return ClipResolver(svc, owner).resolve(request)
+        return resolver.resolve(request)
     data = ref_audio_bytes(svc, body.ref_audio)
-    # AudioError (422) names what is wrong with the clip
-    clip = decode_audio(data, max_seconds=svc.settings.max_recording_s)
+    clip = decode_audio(data, max_seconds=svc.settings.max_recording_s)  # AudioError (422) names what is wrong
     digest = hashlib.sha256(data).hexdigest()
     key = clip_key(svc.settings.s3_prefix, owner, digest)
     svc.storage.put_bytes(key, data, "application/octet-stream", {"owner": owner})

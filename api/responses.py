@@ -192,19 +192,36 @@ class UploadOut(BaseModel):
 
 
 class VoiceOut(BaseModel):
+    """A caller's voice: a clip (its clip fields set) or a description and a seed (``source: description``)."""
+
     voice_id: str
     object: Literal["voice"]
     name: str
-    duration_s: float
-    sample_rate: int
-    channels: int
-    sha256: str
+    source: Literal["clip", "description"]
+    description: str | None = None
+    seed: int | None = None
+    duration_s: float | None
+    sample_rate: int | None
+    channels: int | None
+    sha256: str | None
     created_at: str
+
+
+class BuiltinVoice(BaseModel):
+    """A built-in voice (``config/voices.yaml``): give its name as ``voice``."""
+
+    voice_id: str
+    object: Literal["voice"]
+    name: str
+    source: Literal["builtin"]
+    description: str
+    seed: int
 
 
 class VoiceList(BaseModel):
     object: Literal["list"]
     data: list[VoiceOut]
+    builtin: list[BuiltinVoice]
 
 
 class VoiceDeleted(BaseModel):

@@ -36,6 +36,9 @@ import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
 from api.deps import Services
+from api.voicing import VoiceBook, compose
+from auk_worker.service.records.voices import Voice
+from auk_worker.voice_catalogue import NamedVoice
 from auk_worker import rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InfraError, InputError, NoWorker
@@ -67,6 +70,7 @@ class ClipResolver:
     def __init__(self, svc: Services, owner: str) -> None:
         self.svc = svc
         self.owner = owner
+        self.voices = VoiceBook(svc, owner)
         self._by_key: dict[str, dict[str, Any]] = {}
         self._failed: dict[str, InputError] = {}
 
@@ -76,11 +80,8 @@ class ClipResolver:
         Raises ``InputError`` for an upload that is not the caller's, a missing key or a file that does not decode,
         ``InfraError`` when storage does not answer.
         """
-        if request.voice is not None:
-            voice = self.svc.voices.get(request.voice, self.owner)
-            if voice is None:
-                raise InputError(f"voice: no voice {request.voice!r} for this API key", code="unknown_voice")
-            return voice.clip(self.svc.storage.bucket)
+        if request.voice is not None:  # a clip voice's clip; a described voice has none (``api/voicing.py``)
+            return self.voices.clip(request.voice)
         audio = request.audio
         if audio is None:
             return None
@@ -158,8 +159,11 @@ def record_request(request: JobRequest, clip: dict[str, Any] | None) -> dict[str
 
 
 def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
-    """``record_request`` with the request's clip resolved."""
-    return record_request(request, resolver.resolve(request))
+    """``record_request`` with the request's clip resolved and its text composed into an instruction
+    (``api/voicing.py``)."""
+    clip = resolver.resolve(request)
+    voice = resolver.voices.find(request.voice) if request.voice is not None else None
+    return record_request(compose(request, clip, voice), clip)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -200,7 +204,8 @@ def require_worker_for(svc: Services, variants: set[str]) -> None:
 
 
 def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None, *,
-               clip_source: ClipSource | None = None, reply: bool = False) -> tuple[JobRecord, bool]:
+               clip_source: ClipSource | None = None, reply: bool | str = False,
+               length_field: str = "gen_seconds", voice: NamedVoice | Voice | None = None) -> tuple[JobRecord, bool]:
     """Check, write and send one job: ``(record, True)``; or ``(the earlier job, False)`` when this key already made
     one for this same request (a different request under a used key is refused). Either way the record is on the
     current Redis master (and its replicas) before the caller hears of it.
@@ -212,18 +217,22 @@ def submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: 
     - ``clip_source``: how the clip is found. By default an upload, a voice or an input key (``ClipResolver``); the
       speech endpoint's may also decode and store an inline ``ref_audio`` (``api/requests.py: resolve_clip``).
     - ``reply``: the worker pushes the encoded audio to ``auk:reply:{id}`` before it stores it, for the waiting
-      speech request (``delivery/replies.py``).
+      speech request (``delivery/replies.py``); ``"stream"``: in pieces as they are encoded (``auk_worker/streaming.py``).
+    - ``length_field``: the name the caller knows the length by (``duration_seconds``), for the errors; ``voice``:
+      a ``VoiceDesign`` request's described voice, in place of one found by name.
     - ``idempotency_key``: None from the speech endpoint. OpenAI's speech request has no Idempotency-Key: its answer
       is the audio itself, so a retried request has no job id to find and renders again.
     """
-    record, created = _submit_job(svc, owner, request, idempotency_key, clip_source or ClipResolver(svc, owner).resolve,
-                                  reply)  # fmt: skip
+    resolver = ClipResolver(svc, owner)
+    record, created = _submit_job(svc, owner, request, idempotency_key, clip_source or resolver.resolve, reply,
+                                  resolver.voices, length_field, voice)  # fmt: skip
     svc.barrier.wait(f"job {record.id}")
     return record, created
 
 
 def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key: str | None,
-                clip_source: ClipSource, reply: bool) -> tuple[JobRecord, bool]:  # fmt: skip
+                clip_source: ClipSource, reply: bool | str, voices: VoiceBook,
+                length_field: str, voice: NamedVoice | Voice | None) -> tuple[JobRecord, bool]:  # fmt: skip
     if idempotency_key is not None:
         existing = svc.store.by_idempotency_key(owner, idempotency_key)
         if existing is not None:
@@ -231,9 +240,12 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
     check_webhook_url(svc, request.webhook_url)
     require_worker_for(svc, {request.variant})
     check_queued_jobs(svc.store, owner, 1, svc.settings.quota_queued_jobs)
-    prepared = record_request(request, clip_source(request))
+    clip = clip_source(request)
+    if voice is None and request.voice is not None:
+        voice = voices.find(request.voice)
+    prepared = record_request(compose(request, clip, voice, length_field=length_field), clip)
     if reply:
-        prepared["reply"] = True
+        prepared["reply"] = reply
     queue = queue_name(request.variant, request.priority)
     record = JobRecord.new(owner, prepared, queue=queue, custom_id=request.custom_id)
     record, created = svc.store.create(record, idempotency_key=idempotency_key)
@@ -247,7 +259,7 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
 def _same_request(existing: JobRecord, request: JobRequest, idempotency_key: str | None) -> JobRecord:
     """The job an earlier request with this Idempotency-Key made, if this request is the same one, so that a caller
     never takes another job for its own."""
-    sent = request.model_dump(mode="json")
+    sent = request.model_dump(mode="json", exclude_none=True)  # what the record made of a text is not compared
     if any(existing.request.get(field) != value for field, value in sent.items()):
         raise InputError(f"Idempotency-Key {idempotency_key!r} was used for job {existing.id} with a different "
                          "request; use a new key for a new job", code="idempotency_key_reused")  # fmt: skip

@@ -37,7 +37,7 @@ class InputError(AuKError, ValueError):
     """The request or its audio is invalid; retrying cannot help. ``details`` (JSON) lists the parts at fault, e.g.
     a batch's bad lines."""
 
-    code = "invalid_input"
+    code = "invalid_request"  # the error table's code for a broken rule (README, "Errors")
 
     def __init__(self, message: str, *, code: str | None = None, details: Any = None) -> None:
         super().__init__(message, code=code)

@@ -1,15 +1,20 @@
 """Output formats: encode a rendered waveform (float32, mono, 24 kHz) as the file a caller asked for.
 
 The names follow OpenAI's speech API ``response_format`` (``mp3``, ``opus``, ``aac``, ``flac``, ``wav``, ``pcm``),
-plus ``wav_float`` for the model's output without quantisation. ``aac`` is the one OpenAI name not offered:
-libsndfile, the only encoder here, has no AAC encoder, so asking for it is an ``UnsupportedFormat`` (a caller
-fault) that names the formats there are. Every format is written by libsndfile through soundfile (no ffmpeg);
-``pcm`` is libsndfile's headerless RAW, so its samples are the same bytes as a ``wav`` file's data chunk.
+plus ``wav_float`` for the model's output without quantisation. Every format but AAC is written by libsndfile
+through soundfile; ``pcm`` is libsndfile's headerless RAW, so its samples are the same bytes as a ``wav`` file's data
+chunk. AAC (libsndfile has no encoder for it) is FFmpeg's native AAC encoder through PyAV (``av``), in an ADTS
+stream (``audio/aac``, what OpenAI's ``aac`` answers carry), 64 kbit/s mono.
 
-All formats keep the model's rate: Opus runs natively at 24 kHz (one of its five rates, 8/12/16/24/48 kHz) and
-MP3 at 24 kHz is MPEG-2 Layer III. The lossy files carry their encoder delay and padding (a LAME tag in the MP3,
-pre-skip and the final granule position in the Ogg Opus header) so that decoders that honour them, libsndfile's
-included, give back exactly as many samples as were encoded.
+All formats keep the model's rate: Opus runs natively at 24 kHz (one of its five rates, 8/12/16/24/48 kHz), MP3 at
+24 kHz is MPEG-2 Layer III, AAC-LC at 24 kHz is one of ADTS's rates. The lossy files carry their encoder delay and
+padding (a LAME tag in the MP3, pre-skip and the final granule position in the Ogg Opus header) so that decoders
+that honour them, libsndfile's included, give back exactly as many samples as were encoded; an ADTS stream has no
+place for them (about 1024 samples of priming come first, and the last frame is padded).
+
+``streams`` says whether a format can go out piece by piece as the audio is ready (``auk_worker/encoders.py``):
+``pcm``, ``wav`` (its header with an open length), ``mp3``, ``opus`` and ``aac``; FLAC and the float WAV need the
+whole file.
 
 Torch-free: the API, the worker and the CLI all import it.
 """
@@ -55,30 +60,35 @@ class AudioFormat:
     bitrate_mode: str | None = None
     clip: bool = True
     description: str = ""
+    streams: bool = False  # can go out in pieces as the audio is ready (``encoders.py``)
+    codec: str | None = None  # an FFmpeg encoder (through PyAV) in place of libsndfile, e.g. AAC
+    bit_rate: int | None = None  # bits a second, for an FFmpeg encoder
 
 
 FORMATS: Mapping[str, AudioFormat] = {
     f.name: f
     for f in (
-        AudioFormat("wav", "wav", "audio/wav", True, "WAV", "PCM_16", description="WAV, 16-bit PCM"),
+        AudioFormat("wav", "wav", "audio/wav", True, "WAV", "PCM_16", description="WAV, 16-bit PCM", streams=True),
         AudioFormat("wav_float", "wav", "audio/wav", True, "WAV", "FLOAT", clip=False,
                     description="WAV, 32-bit float, not clipped"),
         AudioFormat("flac", "flac", "audio/flac", True, "FLAC", "PCM_16", description="FLAC, 16-bit"),
         AudioFormat("mp3", "mp3", "audio/mpeg", False, "MP3", "MPEG_LAYER_III",
-                    compression=0.2, bitrate_mode="VARIABLE",
+                    compression=0.2, bitrate_mode="VARIABLE", streams=True,
                     description="MP3 (MPEG-2 Layer III), variable bit rate"),
         # The Opus encoder picks its own bit rate for mono 24 kHz input.
-        AudioFormat("opus", "opus", "audio/ogg; codecs=opus", False, "OGG", "OPUS",
+        AudioFormat("opus", "opus", "audio/ogg; codecs=opus", False, "OGG", "OPUS", streams=True,
                     description="Opus in an Ogg container"),
+        AudioFormat("aac", "aac", "audio/aac", False, "ADTS", "AAC", streams=True, codec="aac", bit_rate=64_000,
+                    description="AAC-LC in an ADTS stream, 64 kbit/s"),
         AudioFormat("pcm", "pcm", f"audio/pcm; rate={SAMPLE_RATE}; channels=1", True, "RAW", "PCM_16",
-                    description="raw signed 16-bit little-endian samples, no header"),
+                    streams=True, description="raw signed 16-bit little-endian samples, no header"),
     )
 }
 
 DEFAULT_FORMAT = "wav"
 
-# OpenAI names that are not offered, with the reason a caller is told.
-UNAVAILABLE: Mapping[str, str] = {"aac": "there is no AAC encoder in this service (libsndfile has none)"}
+# OpenAI names that are not offered, with the reason a caller is told (none now).
+UNAVAILABLE: Mapping[str, str] = {}
 
 # The values the job schema's ``output_format`` has taken so far, and the format each one means.
 LEGACY_NAMES: Mapping[str, str] = {"pcm16": "wav", "float32": "wav_float"}
@@ -88,16 +98,30 @@ def get_format(name: str) -> AudioFormat:
     """The format called ``name`` (case-insensitive); ``UnsupportedFormat`` naming the offered ones otherwise."""
     key = name.strip().lower() if isinstance(name, str) else name
     found = FORMATS.get(key)
-    if found is not None and _written_here(found.container, found.subtype):
+    if found is not None and _available(found):
         return found
-    offered = ", ".join(name for name, spec in FORMATS.items() if _written_here(spec.container, spec.subtype))
+    offered = ", ".join(name for name, spec in FORMATS.items() if _available(spec))
     if found is not None:
-        raise UnsupportedFormat(f"response format {key!r} is not available: this libsndfile build cannot write it; "
+        raise UnsupportedFormat(f"response format {key!r} is not available: this build cannot write it; "
                                 f"choose one of {offered}")
     if key in UNAVAILABLE:
         reason = UNAVAILABLE[key]
         raise UnsupportedFormat(f"response format {key!r} is not available: {reason}; choose one of {offered}")
     raise UnsupportedFormat(f"unknown response format {name!r}; choose one of {offered}")
+
+
+def _available(spec: AudioFormat) -> bool:
+    return _ffmpeg_has(spec.codec) if spec.codec else _written_here(spec.container, spec.subtype)
+
+
+@cache
+def _ffmpeg_has(codec: str) -> bool:
+    """Whether PyAV is installed and its FFmpeg has the encoder ``codec``."""
+    try:
+        import av
+    except ImportError:
+        return False
+    return codec in av.codecs_available
 
 
 @cache
@@ -123,6 +147,11 @@ def encode(waveform: np.ndarray, fmt: AudioFormat | str = DEFAULT_FORMAT, sample
         raise ValueError("the waveform holds NaN or infinite samples")
     if spec.clip:
         samples = np.clip(samples, -1.0, 1.0)
+    if spec.codec is not None:
+        from auk_worker.encoders import open_encoder  # PyAV is loaded only where an FFmpeg format is asked for
+
+        encoder = open_encoder(spec)
+        return encoder.feed(samples) + encoder.finish()
     buffer = io.BytesIO()
     extra = {"endian": "LITTLE"} if spec.container == "RAW" else {}
     if spec.compression is not None:

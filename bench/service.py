@@ -5,6 +5,7 @@ processes (redis-server, SeaweedFS, the API under uvicorn, one worker per varian
     python -m bench.service --speech --pipeline random-release         # GPU: release-size random weights
     python -m bench.service --speech --pipeline auk --checkpoint DIR   # GPU: a real checkpoint
     python -m bench.service --startup [--pipeline ...]                 # worker start-up (bench/startup.py)
+    python -m bench.service --stream --pipeline auk --checkpoint TINY  # streamed answers: first byte and last
 
 For each case (issue 35's rows: Flash 3 s, base instruct 6 s, base zero-shot 12 s with a 5 s reference; and a
 zero-shot render with a voice seen before against one with a new voice each time), ``--requests`` warm requests
@@ -15,6 +16,11 @@ Redis); ``total`` is the API's own wall time and ``client`` the wall time the ca
 answer) comes from the job's record, and ``recorded_after_answer`` is how long after the answer the record said
 ``succeeded``. For the instruct case the same render is also timed the old way (``POST /v1/jobs``, poll the
 record every 2 ms, download the object), under the same load. The JSON goes to ``bench/results/service-speech-<commit>-<device>-<date>.json``.
+
+``--stream`` times a built-in voice's render (``voice: alloy`` with ``input``, ``--stream-seconds`` of audio) in each
+format that streams, answered whole and streamed (``stream_format: "audio"``): the time to the first byte of the
+body and to the last, as the caller's HTTP client saw them, and how many chunks came. The JSON goes to
+``bench/results/service-stream-<commit>-<device>-<pipeline>-<date>.json``.
 
 On the CPU with ``instant`` the render is silence made at once: the figures are the service's own overhead, not
 a GPU render, and are labelled with the pipeline and the device.
@@ -73,6 +79,8 @@ CASES = (
 INSTRUCT = ('Generate speech based on the following description: "A calm, clear adult voice." '
             'The content to speak is: "The service answers as soon as the audio exists."')  # fmt: skip
 ZERO_SHOT = 'Say the following with the same voice: "The service answers as soon as the audio exists."'
+STREAM_FORMATS = ("pcm", "wav", "mp3", "opus", "aac")
+STREAM_TEXT = "The service sends the audio as soon as each piece of it is encoded."
 
 
 def clip_bytes(seconds: float, seed: int) -> bytes:
@@ -143,6 +151,44 @@ class SpeechBench:
         data = self.client.download(job)
         return {"client": (time.perf_counter() - started) * 1000, "bytes": len(data)}
 
+    def first_and_last(self, body: dict) -> tuple[float, float, int, int]:
+        """(ms to the first body byte, ms to the last, chunks, bytes) of one speech request, read as it arrives."""
+        started = time.perf_counter()
+        first, chunks, size = None, 0, 0
+        with self.http.stream("POST", "/v1/audio/speech", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
+            for chunk in response.iter_raw():
+                first = first or time.perf_counter()
+                chunks += 1
+                size += len(chunk)
+        last = time.perf_counter()
+        return (first - started) * 1000, (last - started) * 1000, chunks, size
+
+    def streaming(self, variant: str, seconds: float, warmup: int, requests: int) -> dict:
+        """Each streaming format, whole and streamed, interleaved so that both see the same load."""
+        bodies = {}
+        for fmt in STREAM_FORMATS:
+            for mode in ("whole", "stream"):
+                body = {"model": "auk", "variant": variant, "voice": "alloy", "input": STREAM_TEXT,
+                        "duration_seconds": seconds, "response_format": fmt}  # fmt: skip
+                if mode == "stream":
+                    body["stream_format"] = "audio"
+                if self.steps is not None and variant == "base":
+                    body["num_inference_steps"] = self.steps
+                bodies[f"{fmt}_{mode}"] = body
+        for _ in range(warmup):
+            for body in bodies.values():
+                self.first_and_last(body)
+        runs: dict[str, list] = {name: [] for name in bodies}
+        for _ in range(requests):
+            for name, body in bodies.items():
+                runs[name].append(self.first_and_last(body))
+        return {name: {"first_byte_ms": _stats([run[0] for run in rows]),
+                       "last_byte_ms": _stats([run[1] for run in rows]),
+                       "chunks": _stats([float(run[2]) for run in rows]), "bytes": rows[0][3]}
+                for name, rows in runs.items()}  # fmt: skip
+
     def case(self, case: Case, warmup: int, requests: int) -> dict:
         voice_id = self.voice(case) if case.voice == "cached" else None
         for _ in range(warmup):
@@ -165,8 +211,8 @@ class SpeechBench:
 
 
 def run(args: argparse.Namespace) -> dict:
-    cases = [case for case in CASES if not args.cases or case.name in args.cases]
-    variants = sorted({case.variant for case in cases})
+    cases = [] if args.stream else [case for case in CASES if not args.cases or case.name in args.cases]
+    variants = [args.variant] if args.stream else sorted({case.variant for case in cases})
     with tempfile.TemporaryDirectory(prefix="auk-bench-service-") as tmp:
         work = Path(tmp)
         redis_server = RedisServer(work / "redis").start()
@@ -185,6 +231,8 @@ def run(args: argparse.Namespace) -> dict:
                 worker.wait_state(client, "ready", timeout=args.start_timeout)
             bench = SpeechBench(api.url, args.steps)
             results = {case.name: bench.case(case, args.warmup, args.requests) for case in cases}
+            if args.stream:
+                results = bench.streaming(args.variant, args.stream_seconds, args.warmup, args.requests)
         finally:
             for worker in workers:
                 worker.terminate(timeout=60)
@@ -194,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
             redis_server.stop()
     device = _device()
     return {
-        "benchmark": "service_speech",
+        "benchmark": "service_stream" if args.stream else "service_speech",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
         "device": device,
@@ -202,7 +250,10 @@ def run(args: argparse.Namespace) -> dict:
         "setup": {"pipeline": args.pipeline, "api": "uvicorn, 1 process", "broker": "redis-server (loopback)",
                   "storage": "SeaweedFS S3 (loopback)", "workers": "1 solo process per variant",
                   "hand_over": "worker RPUSH to auk:reply:{job}, API BLPOP (redis.asyncio)",
-                  "steps": args.steps, "warmup": args.warmup, "format": "wav"},  # fmt: skip
+                  "steps": args.steps, "warmup": args.warmup,
+                  "format": "each streaming format" if args.stream else "wav",
+                  "checkpoint": str(args.checkpoint) if args.checkpoint else None,
+                  **({"variant": args.variant, "audio_seconds": args.stream_seconds} if args.stream else {})},  # fmt: skip
         "note": ("instant pipeline: silence made at once, so 'render' is not a GPU render; the figures are the "
                  "service's overhead around it") if args.pipeline == "instant" else "",
         "cases": results,
@@ -226,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup", action="store_true",
                         help="worker start-up to the first job accepted, compile caches cold then warm (bench/startup.py)")
     parser.add_argument("--starts", type=int, default=3, help="with --startup: worker starts (the first cold)")
-    parser.add_argument("--variant", default="base", choices=("base", "flash"), help="with --startup: the worker's")
+    parser.add_argument("--stream", action="store_true", help="streamed answers against whole ones, each format")
+    parser.add_argument("--stream-seconds", type=float, default=6.0, help="with --stream: audio seconds")
+    parser.add_argument("--variant", default="base", choices=("base", "flash"),
+                        help="with --startup or --stream: the worker's")
     parser.add_argument("--deploy-config", type=Path, help="with --startup: the worker's deploy config")
     parser.add_argument("--pipeline", default="instant", choices=("instant", "random-release", "auk"))
     parser.add_argument("--checkpoint", type=Path, help="with --pipeline auk: the checkpoint directory")
@@ -237,16 +291,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds a worker may take to start")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
-    if args.speech == args.startup:
-        parser.error("say which part to run: --speech or --startup")
+    if args.speech + args.startup + args.stream != 1:
+        parser.error("say which part to run: --speech, --stream or --startup")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.startup:
         return _startup(args)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"service-speech-{result['commit']}-{result['device']}-{args.pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}"
+    kind = "stream" if args.stream else "speech"
+    name = f"service-{kind}-{result['commit']}-{result['device']}-{args.pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}"
     path = args.out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    if args.stream:
+        for row, ms in result["cases"].items():
+            print(f"{row}: first byte {ms['first_byte_ms']['median']:.1f} ms, last byte "
+                  f"{ms['last_byte_ms']['median']:.1f} ms median, {ms['chunks']['median']:.0f} chunks")  # fmt: skip
+        print(f"written to {path}")
+        return 0
     for case, row in result["cases"].items():
         ms = row["ms"]
         split = ", ".join(f"{part} {ms[part]['median']:.2f}" for part in SPLIT[:-1])

@@ -63,7 +63,7 @@ def test_instruction_and_length_rules():
     with pytest.raises(ValidationError, match="instruction must be a non-empty string"):
         JobRequest(instruction="  ", gen_seconds=1.0)
     assert JobRequest(instruction="x").gen_seconds is None  # the API estimates the length (longform/plan.py)
-    with pytest.raises(ValidationError, match="instruction .* or text .* is required"):
+    with pytest.raises(ValidationError, match="instruction .* or input or text .* is required"):
         JobRequest(gen_seconds=1.0)
     with pytest.raises(ValidationError, match="instruction: give the whole instruction or its parts"):
         JobRequest(instruction="x", text="y")

@@ -2,12 +2,20 @@
 
 The request is a job like any other: checked by the same rules, written as a record under the caller's key, sent
 to the variant's interactive queue. What differs is the answer: the worker pushes the encoded audio through Redis
-as soon as it exists (``auk_worker/service/delivery/replies.py``) and the route, waiting on that with ``BLPOP``, answers
+as soon as it exists (``auk_worker/service/replies.py``) and the route, waiting on that with ``BLPOP``, answers
 with it at once; the worker stores the object and records the success afterwards, off the answer's path. The job
 id comes back in ``X-Job-Id`` (``GET /v1/jobs/{id}`` shows the stored result once recorded), and the split of the
 time in ``Server-Timing``: ``submit`` (checks and the clip, up to the record), ``queue`` (record written and task
 sent, to the worker's start), ``prepare`` (the worker starts the record and reads the clip), ``render``, ``encode``,
 ``transfer`` (push to receipt) and ``total`` as the API saw it.
+
+A streamed request (``stream_format: "audio"``, vLLM-Omni's ``stream: true``) answers with chunked transfer as the
+worker's pieces arrive (``auk_worker/streaming.py``: the first 0.2 s of audio encoded and sent first, then a second
+a piece); ``stream_format: "sse"`` sends each piece as OpenAI's ``speech.audio.delta`` event (base64 ``audio``) and
+ends with ``speech.audio.done``. The status and headers go out with the first piece, so ``Server-Timing`` then
+holds ``submit``, ``queue``, ``prepare`` and ``render`` only. A job that fails before its first piece is answered
+with its error as any job is; a client that hangs up mid-stream cancels nothing: the job stores its file and
+records its end, and the rest of its pieces expire unread.
 
 While waiting, the route looks at the record between slices of the wait, so a job that fails or is canceled
 before it can push anything is answered with its error. ``AUK_SPEECH_TIMEOUT`` bounds the wait (504 after it; the
@@ -16,20 +24,23 @@ job goes on and its record keeps the result).
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import time
 from datetime import datetime
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import caller
 from api.deps import Services, services
 from api.errors import RETRY_AFTER_S, error_response
 from api.openapi import AUDIO_CONTENT, BODY_ERRORS, V1_ERRORS, errors
-from api.requests import SpeechRequest, resolve_clip, to_job
-from api.submit import submit_job
+from api.requests import SpeechRequest, design_or_none, in_callers_terms, resolve_clip, to_job
+from api.submit import ClipResolver, submit_job
 from auk_worker import formats
 from auk_worker.errors import InputError
 from auk_worker.service.records.jobs import JobStatus
@@ -40,8 +51,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["speech"], responses=V1_ERRORS)
 
 _AUDIO_RESPONSES = {
-    200: {"description": "The audio, in the requested format; its job id in X-Job-Id, the time split in Server-Timing.",
-          "content": AUDIO_CONTENT,
+    200: {"description": "The audio, in the requested format (streamed with stream_format audio, as server-sent events "
+                         "with sse); its job id in X-Job-Id, the time split in Server-Timing.",
+          "content": {**AUDIO_CONTENT, "text/event-stream": {"schema": {"type": "string"}}},
           "headers": {"X-Job-Id": {"description": "the job's id (GET /v1/jobs/{id})", "schema": {"type": "string"}},
                       "Server-Timing": {"description": "submit, queue, prepare, render, encode, transfer, total (ms)",
                                         "schema": {"type": "string"}}}},
@@ -65,9 +77,16 @@ def _job_error(code: str, message: str) -> JSONResponse:
 
 def _submit(svc: Services, owner: str, body: SpeechRequest) -> tuple[str, float]:
     """The job's id, and the wall time its record was made (where ``queue`` starts). The one submit path, with the
-    speech request's clip source and a reply; no idempotency key (``submit.submit_job`` says why)."""
-    record, _ = submit_job(svc, owner, to_job(body), None,
-                           clip_source=lambda request: resolve_clip(svc, owner, body, request), reply=True)
+    speech request's clip source, its reply (whole or streamed) and its field names; no idempotency key
+    (``submit.submit_job`` says why)."""
+    request, design = to_job(body)
+    try:
+        record, _ = submit_job(svc, owner, request, None,
+                               clip_source=lambda job: resolve_clip(svc, body, job, ClipResolver(svc, owner)),
+                               reply="stream" if body.streams else True, length_field="duration_seconds",
+                               voice=design_or_none(design))  # fmt: skip
+    except InputError as exc:  # the job's rules, said with this request's field names
+        raise in_callers_terms(exc) from None
     return record.id, datetime.fromisoformat(record.created_at.replace("Z", "+00:00")).timestamp()
 
 
@@ -76,7 +95,8 @@ def _submit(svc: Services, owner: str, body: SpeechRequest) -> tuple[str, float]
 async def create_speech(body: SpeechRequest, owner: str = Depends(caller), svc: Services = Depends(services)):
     started, started_at = time.perf_counter(), time.time()
     job_id, enqueued_at = await run_in_threadpool(_submit, svc, owner, body)
-    reply = await _wait(svc, job_id, started + svc.settings.speech_timeout_s)
+    deadline = started + svc.settings.speech_timeout_s
+    reply = await _wait(svc, job_id, deadline)
     received = time.time()
     if isinstance(reply, JSONResponse):
         reply.headers["X-Job-Id"] = job_id
@@ -87,13 +107,69 @@ async def create_speech(body: SpeechRequest, owner: str = Depends(caller), svc: 
         "queue": max(0.0, (timings.get("started_at", enqueued_at) - enqueued_at) * 1000),
         "prepare": timings.get("prepare", 0.0) * 1000,
         "render": timings.get("render", 0.0) * 1000,
+    }
+    if body.streams is not None:
+        headers = {"X-Job-Id": job_id, "Server-Timing": _server_timing(split), "Cache-Control": "no-store"}
+        pieces = _pieces(svc, job_id, reply, deadline)
+        if body.streams == "sse":
+            return StreamingResponse(_events(pieces), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_audio(pieces), media_type=reply.header.get("content_type"), headers=headers)
+    split.update({
         "encode": timings.get("encode", 0.0) * 1000,
         "transfer": max(0.0, (received - reply.header.get("pushed_at", received)) * 1000),
         "total": (time.perf_counter() - started) * 1000,
-    }
-    server_timing = ", ".join(f"{name};dur={ms:.2f}" for name, ms in split.items())
-    headers = {"X-Job-Id": job_id, "Server-Timing": server_timing}
+    })  # fmt: skip
+    headers = {"X-Job-Id": job_id, "Server-Timing": _server_timing(split)}
     return Response(reply.body, media_type=reply.header.get("content_type"), headers=headers)
+
+
+def _server_timing(split: dict[str, float]) -> str:
+    return ", ".join(f"{name};dur={ms:.2f}" for name, ms in split.items())
+
+
+async def _pieces(svc: Services, job_id: str, first: Reply, deadline: float) -> AsyncIterator[Reply]:
+    """A streamed job's messages from its first piece to its final marker; a failure after the first piece, or the
+    wait running out, ends the stream with that message (``ok`` false)."""
+    reply = first
+    while True:
+        yield reply
+        if reply.final:
+            return
+        reply = await _wait(svc, job_id, deadline)
+        if isinstance(reply, Reply) and reply.header.get("stored"):  # the rest of the pieces expired unread
+            yield Reply({"status": "failed", "code": "timeout", "message": "the stream's pieces expired"}, b"")
+            return
+        if isinstance(reply, JSONResponse):
+            error = json.loads(reply.body).get("error", {})
+            log.warning("job %s: its stream ended early: %s", job_id, error.get("message"))
+            yield Reply({"status": "failed", **error}, b"")
+            return
+
+
+async def _audio(pieces: AsyncIterator[Reply]) -> AsyncIterator[bytes]:
+    """The audio bytes of each piece (chunked transfer); a stream cut by a failure just ends."""
+    async for reply in pieces:
+        if reply.ok and reply.body:
+            yield reply.body
+
+
+async def _events(pieces: AsyncIterator[Reply]) -> AsyncIterator[bytes]:
+    """OpenAI's speech events: ``speech.audio.delta`` per piece, ``speech.audio.done`` at the end (AuK counts no
+    tokens: its usage is zeros), or an ``error`` event when the job failed mid-stream."""
+    async for reply in pieces:
+        if not reply.ok:
+            error = {"code": reply.header.get("code", "failed"), "message": reply.header.get("message", "")}
+            yield _event({"type": "error", "error": error})
+            return
+        if reply.body:
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(reply.body).decode()})
+        if reply.final:
+            yield _event({"type": "speech.audio.done",
+                          "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}})  # fmt: skip
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _wait(svc: Services, job_id: str, deadline: float) -> Reply | JSONResponse:
@@ -119,4 +195,4 @@ async def _wait(svc: Services, job_id: str, deadline: float) -> Reply | JSONResp
             result = record.result or {}
             data = await run_in_threadpool(svc.storage.get_bytes, result["bucket"], result["key"])
             spec = formats.get_format(result.get("format", "wav"))
-            return Reply({"status": "succeeded", "content_type": spec.mime_type, "timings": {}}, data)
+            return Reply({"status": "succeeded", "content_type": spec.mime_type, "timings": {}, "stored": True}, data)

@@ -7,7 +7,10 @@ encoded, and only then stores the object and records the success. The API waits 
 
 The message is one binary value: a JSON header line, ``\\n``, then the audio bytes. The header says
 ``{"status": "succeeded", "content_type", "format", "timings": {...}, "pushed_at"}`` or ``{"status": "failed",
-"code", "message"}``. A message nobody takes (the caller hung up) expires with its list.
+"code", "message"}``. A streamed answer (``stream_format``) is many messages on the same list, read in order: a
+``{"status": "piece", "seq", ...}`` per encoded piece, then the ``succeeded`` one with ``"final": true`` carrying
+the encoder's tail (``auk_worker/streaming.py``, ``AudioStream``). A message nobody takes (the caller hung up)
+expires with its list.
 
 Nothing is lost if the answer was sent and the worker then dies: the task is acknowledged late, so the record is
 still ``running`` and the job is delivered again, rendered with its own seed and stored. A redelivery pushes a
@@ -44,7 +47,12 @@ class Reply:
 
     @property
     def ok(self) -> bool:
-        return self.header.get("status") == "succeeded"
+        return self.header.get("status") in ("succeeded", "piece")
+
+    @property
+    def final(self) -> bool:
+        """The job's last message: a whole answer, a stream's final marker, or a failure."""
+        return self.header.get("status") != "piece"
 
 
 def reply_key(job_id: str, namespace: str = "auk") -> str:

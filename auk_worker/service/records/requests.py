@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from auk_worker import formats, rules
+from auk_worker import formats, rules, wording
 from auk_worker.longform import instructions as longform_instructions
 from auk_worker.longform.duration import SPEED_MAX, SPEED_MIN
 from auk_worker.longform.text import MAX_JOB_TEXT_CHARS
@@ -63,6 +63,8 @@ class JobRequest(BaseModel):
          "response_format": "flac"},
         {"instruction": "A calm narrator: \"Welcome back.\"", "gen_seconds": 3.5, "variant": "base",
          "custom_id": "welcome-1"},
+        {"input": "Good morning, and welcome aboard.", "voice": "nova", "instructions": "Speak cheerfully.",
+         "response_format": "mp3", "custom_id": "greeting-1"},
     ]})  # fmt: skip
 
     # Numbers are strict: "2" or true is refused rather than read as 2 or 1, and NaN and infinities by name.
@@ -78,6 +80,11 @@ class JobRequest(BaseModel):
     language: str | None = Field(default=None, min_length=2, max_length=16)
     speed: float | None = Field(default=None, ge=SPEED_MIN, le=SPEED_MAX, strict=True, allow_inf_nan=False)
     timestamps: Literal["json", "srt", "vtt"] | None = None
+    # OpenAI's shape (speech, and jobs and batch lines alike): ``input`` is the text to speak in ``voice`` (a built-in
+    # name, a voice's id or name; none: ``default``) or the clip, ``instructions`` a speaking style; at submit they
+    # become the parts above (``api/voicing.py``).
+    input: str | None = Field(default=None, min_length=1, max_length=MAX_JOB_TEXT_CHARS)
+    instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
     audio: AudioRef | None = None
     gen_seconds: float | None = Field(default=None, gt=0, le=MAX_LONG_SECONDS, strict=True,
                                       allow_inf_nan=False)  # fmt: skip
@@ -109,10 +116,19 @@ class JobRequest(BaseModel):
         AuK's whole instruction or its parts, not both. The length is no longer required here: without it the API
         estimates one once the clip is resolved (``longform/plan.py``). The validation context (``has_clip``, a
         speech request's inline clip) is accepted for the callers that pass it."""
+        if self.input is not None:
+            if self.text is not None or self.instruction is not None:
+                raise ValueError("input is the text to speak: give input, text or instruction, one of them")
+            if self.language is not None:
+                wording.language(self.language)
+            if self.audio is not None and self.voice is not None:
+                raise ValueError("give audio or voice, not both: a job takes one clip")
+            return self
         parts = [name for name in ("text", "task", "description", "style") if getattr(self, name) is not None]
         if self.instruction is None and not parts:
-            raise ValueError("instruction (AuK's whole instruction) or text (and task: the service writes the "
-                             "instruction) is required")  # fmt: skip
+            raise ValueError("instruction (the whole AuK instruction) or input or text (the text to speak) is required")
+        if self.instructions is not None:
+            raise ValueError("instructions: a speaking style goes with input (the text to speak)")
         if self.instruction is None and self.text is None and self.task is None:
             raise ValueError(f"text (or a task) is required with {' and '.join(parts)}: they describe how to say it")
         if self.instruction is not None and self.ref_text is not None:

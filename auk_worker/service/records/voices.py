@@ -1,10 +1,15 @@
-"""Voice records: a reference clip kept under an id that jobs and speech requests name as ``voice``.
+"""Voice records: a reference clip, or a written description and a seed, kept under an id (and a name) that jobs and
+speech requests name as ``voice``.
 
 A voice owns its own copy of the clip (``voices/<voice id>`` in the result bucket), so deleting or expiring the
 upload it was made from does not break it. Its ``sha256`` (of the clip's encoded bytes) is the content key that
 workers cache its prepared pieces under (``auk_worker/voice_cache.py``).
 
-Keys: ``auk:voice:{id}`` hash (owner, name, key, sha256, duration_s, sample_rate, samples, channels, created_at);
+A described voice (``description`` set) has no clip: it renders as instruct TTS with its description and seed, as
+the built-in voices do (``auk_worker/voice_catalogue.py``).
+
+Keys: ``auk:voice:{id}`` hash (owner, name, key, sha256, duration_s, sample_rate, samples, channels, created_at,
+and for a described voice description and seed);
 ``auk:owner:{owner}:voices`` zset of the owner's voice ids scored by creation time (ms), newest first in listings.
 """
 
@@ -37,12 +42,18 @@ class Voice:
     samples: int
     channels: int
     created_at: str
+    description: str = ""  # set for a described voice, which has no clip
+    seed: int | None = None
 
     def public(self) -> dict:
-        """The API's JSON shape of a voice."""
-        return {"voice_id": self.voice_id, "object": "voice", "name": self.name, "duration_s": self.duration_s,
-                "sample_rate": self.sample_rate, "channels": self.channels, "sha256": self.sha256,
-                "created_at": self.created_at}  # fmt: skip
+        """The API's JSON shape of a voice (a described voice has no clip fields)."""
+        if self.description:
+            return {"voice_id": self.voice_id, "object": "voice", "name": self.name, "source": "description",
+                    "description": self.description, "seed": self.seed, "duration_s": None, "sample_rate": None,
+                    "channels": None, "sha256": None, "created_at": self.created_at}  # fmt: skip
+        return {"voice_id": self.voice_id, "object": "voice", "name": self.name, "source": "clip",
+                "duration_s": self.duration_s, "sample_rate": self.sample_rate, "channels": self.channels,
+                "sha256": self.sha256, "created_at": self.created_at}  # fmt: skip
 
     def clip(self, bucket: str) -> dict:
         """The clip as a job record's ``request.clip`` holds it."""
@@ -68,7 +79,8 @@ class VoiceStore:
         pipe.hset(self.key(voice.voice_id), mapping={
             "owner": voice.owner, "name": voice.name, "key": voice.key, "sha256": voice.sha256,
             "duration_s": repr(voice.duration_s), "sample_rate": str(voice.sample_rate), "samples": str(voice.samples),
-            "channels": str(voice.channels), "created_at": voice.created_at,
+            "channels": str(voice.channels), "created_at": voice.created_at, "description": voice.description,
+            "seed": "" if voice.seed is None else str(voice.seed),
         })  # fmt: skip
         pipe.zadd(self.owner_key(voice.owner), {voice.voice_id: int(time.time() * 1000)})
         pipe.execute()
@@ -103,4 +115,5 @@ class VoiceStore:
         return Voice(voice_id=voice_id, owner=owner, name=raw.get("name", ""), key=raw["key"], sha256=raw["sha256"],
                      duration_s=float(raw["duration_s"]), sample_rate=int(raw["sample_rate"]),
                      samples=int(raw["samples"]), channels=int(raw["channels"]),
-                     created_at=raw.get("created_at") or utc_now())  # fmt: skip
+                     created_at=raw.get("created_at") or utc_now(), description=raw.get("description", ""),
+                     seed=int(raw["seed"]) if raw.get("seed") else None)  # fmt: skip

@@ -21,6 +21,7 @@ from auk_worker.service.connect.storage import StorageWait
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.objects import result_key
 from auk_worker.service.records.requests import JobRequest
+from auk_worker.service.worker import outcome
 from auk_worker.service.worker.runtime import Pipeline, RenderRuntime, cancel_check
 from auk_worker.service.worker.steps import PROGRESS_INTERVAL_S, REQUEST_FIELDS, encode, load_clip, store_result
 from auk_worker.types import SAMPLE_RATE, AudioClip, RenderResult
@@ -63,9 +64,13 @@ def render_long(rt: RenderRuntime, job_id: str, record: JobRecord, started_at: f
             last_check[0] = now
             progress(done[0], count)
 
+    stream = outcome.audio_stream(rt, record, request.response_format, {"started_at": started_at})
+
     def on_segment(index: int, samples: Any, is_last: bool) -> None:
-        if rt.on_segment is not None:
-            rt.on_segment(job_id, index, samples, is_last)
+        if stream is not None:  # a streamed speech request hears each part of the file as it becomes final
+            stream.feed(samples)
+            if is_last:
+                stream.close()
 
     knobs = {name: getattr(request, name) for name in ("num_inference_steps", "guidance_scale", "sway", "seed")}
     hooks = Hooks(load=store.load, save=store.save, progress=progress, on_step=on_step, on_segment=on_segment)
@@ -94,7 +99,7 @@ def render_long(rt: RenderRuntime, job_id: str, record: JobRecord, started_at: f
                   cancel_check(rt, job_id))  # fmt: skip
         extra["timestamps"] = {"key": key, "format": request.timestamps, "content_type": mime}
     encoded = encode(request, result)
-    if record.request.get("reply") and rt.replies is not None:
+    if record.request.get("reply") is True and rt.replies is not None:
         timings = {"started_at": started_at, "prepare": rendering - started, "render": rendered - rendering,
                    "encode": time.perf_counter() - rendered}  # fmt: skip
         rt.replies.audio(job_id, encoded[1], fmt=encoded[0].name, content_type=encoded[0].mime_type, timings=timings)

@@ -41,6 +41,7 @@ from auk_worker.service.records.batches import write_results
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.worker.runtime import RenderRuntime, on_current_master
 from auk_worker.service.worker.stopping import OperatorStop
+from auk_worker.streaming import AudioStream
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,18 @@ def reply_audio(rt: RenderRuntime, record: JobRecord, encoded: tuple[formats.Aud
                 timings: dict[str, float]) -> None:
     """A speech request's waiting API gets the audio as soon as it is encoded; the object and the record follow (a
     lost worker is redelivered: the record is still running, so the job renders and stores again)."""
-    if record.request.get("reply") and rt.replies is not None:
+    if record.request.get("reply") is True and rt.replies is not None:
         spec, data = encoded
         rt.replies.audio(record.id, data, fmt=spec.name, content_type=spec.mime_type, timings=timings)
+
+
+def audio_stream(rt: RenderRuntime, record: JobRecord, fmt: str, timings: dict[str, float]) -> AudioStream | None:
+    """A streamed speech request's answer (``reply: "stream"``): pieces are encoded and pushed as they are fed, the
+    whole file is stored as for any job; None for any other job."""
+    if record.request.get("reply") != "stream" or rt.replies is None:
+        return None
+    replies = rt.replies
+    return AudioStream(lambda header, body: replies.send(record.id, header, body), fmt, timings)
 
 
 def canceled(rt: RenderRuntime, job_id: str) -> None:

@@ -59,9 +59,6 @@ class RenderRuntime:
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # served on AUK_METRICS_PORT when set
     stop: GracefulStop | None = None  # the worker's stop: past its grace, a render stops and its job is released
-    # A long job's part of the file that became final: on_segment(job_id, index, samples, is_last); the parts
-    # concatenated are the file (longform/render.py). The streaming reply pushes them as they come.
-    on_segment: Callable[[str, int, Any, bool], None] | None = None
 
 
 def on_current_master(rt: RenderRuntime, what: str, write: Callable[[], Any]) -> Any:

@@ -38,6 +38,11 @@ def render_job(rt: RenderRuntime, job_id: str) -> JobRecord | None:
         rendering = time.perf_counter()
         result = rt.pipeline.render(render_request, on_step=progress)  # the last step always checks for a cancel
         encoding = time.perf_counter()
+        stream = outcome.audio_stream(rt, record, request.response_format, {
+            "started_at": started_at, "prepare": rendering - started, "render": encoding - rendering})
+        if stream is not None:  # the pieces go out as they are encoded; the whole file is stored as for any job
+            stream.feed(result.waveform)
+            stream.close()
         encoded = encode(request, result)
         # A speech request's waiting API gets the audio now; the object and the record follow.
         outcome.reply_audio(rt, record, encoded, {"started_at": started_at, "prepare": rendering - started,
