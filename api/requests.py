@@ -9,11 +9,12 @@ What the text is:
   ``instructions`` as a speaking style; a clip: zero-shot TTS). ``task_type`` ``VoiceDesign`` takes the voice's
   description from ``instructions``; ``CustomVoice`` without a voice speaks in ``default``.
 - With a blank ``input``, a non-blank ``instructions`` is the whole AuK instruction (vLLM-Omni's AuK shape).
-- With neither a voice nor a ``task_type``, ``input`` is the whole AuK instruction, as before named voices existed;
-  an ``input`` that already starts with one of AuK's sentences is taken whole in every case.
+- Without a voice, ``input`` is spoken in the ``default`` voice; an ``input`` that already starts with one of AuK's
+  sentences is taken as the whole instruction.
 
-The length is ``duration_seconds``, else estimated from the text at ``speed`` (and ``language``, ``ref_text``);
-a whole instruction without a clip needs ``duration_seconds``.
+The length is ``duration_seconds``, else estimated (``auk_worker/longform/duration.py``): from the text at
+``speed`` (and ``language``, ``ref_text``); for a whole instruction, from the words it quotes, or the clip's
+length for a recording task. A text longer than one pass is spoken in segments and joined into one file.
 
 The clip is at most one of a clip ``voice``, ``ref_audio`` (base64, a ``data:`` URL, or an ``http(s)`` URL fetched
 only from hosts ``AUK_FETCH_ALLOW`` lists, through ``urlguard.py``) and ``audio``. An inline clip is stored once per
@@ -35,9 +36,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from api.deps import Services
 from api.submit import ClipResolver
 from api.voicing import compose
-from auk_worker import formats, rules, wording
+from auk_worker import formats, rules
 from auk_worker.audio import decode_audio
 from auk_worker.errors import InputError, TooLarge
+from auk_worker.longform.duration import SPEED_MAX, SPEED_MIN, language_code
 from auk_worker.longform.text import MAX_SPEECH_TEXT_CHARS
 from auk_worker.service.records.requests import AudioRef, JobRequest
 from auk_worker.service.records.objects import clip_key
@@ -77,7 +79,7 @@ class SpeechRequest(BaseModel):
     voice: str | dict[str, str] | None = Field(default=None, validation_alias=AliasChoices("voice", "speaker"))
     instructions: str | None = Field(default=None, max_length=rules.MAX_INSTRUCTION_CHARS)
     response_format: str = SPEECH_FORMAT
-    speed: float | None = Field(default=None, ge=wording.MIN_SPEED, le=wording.MAX_SPEED, strict=True,
+    speed: float | None = Field(default=None, ge=SPEED_MIN, le=SPEED_MAX, strict=True,
                                 allow_inf_nan=False)  # fmt: skip
     stream_format: Literal["audio", "sse"] | None = None
     # vLLM-Omni's speech fields
@@ -138,8 +140,6 @@ def _text_fields(body: SpeechRequest) -> dict[str, Any]:
         return _whole(body, whole)
     if text.startswith(AUK_SENTENCES):
         return _whole(body, text)
-    if body.voice is None and body.task_type is None and body.ref_audio is None and body.audio is None:
-        return _whole(body, text)  # the whole instruction, as before named voices
     fields: dict[str, Any] = {"input": text, "language": body.language, "speed": body.speed,
                               "ref_text": body.ref_text}  # fmt: skip
     if body.task_type == "VoiceDesign":
@@ -161,7 +161,7 @@ def _whole(body: SpeechRequest, instruction: str) -> dict[str, Any]:
         raise _refuse("speed", "scales the length of a text given as input; with a whole instruction, give "
                                "duration_seconds (or ask for the speed in the instruction)")  # fmt: skip
     if body.language is not None:
-        wording.language(body.language)
+        language_code(body.language)  # refused by name when it is not a language
     return {"instruction": instruction}
 
 
@@ -243,10 +243,6 @@ def to_job(body: SpeechRequest) -> tuple[JobRequest, str | None]:
         if value is not None and not (name == "voice" and design):
             fields[name] = value
     has_clip = body.ref_audio is not None
-    if "instruction" in fields and fields.get("gen_seconds") is None and not has_clip and body.voice is None \
-            and body.audio is None:
-        raise InputError("duration_seconds: required with a whole instruction and no clip (or give the text as "
-                         "input with a voice, whose length is estimated)")  # fmt: skip
     try:
         return JobRequest.model_validate(fields, context={"has_clip": has_clip}), design
     except ValidationError as exc:

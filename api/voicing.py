@@ -6,15 +6,14 @@ built-in name, then the key's own names, newest first), and an unknown name is a
 the names there are. A voice is either a clip (zero-shot TTS) or a description and a seed (instruct TTS): built-in
 voices, and voices a caller made with ``POST /v1/voices {"description": ...}``.
 
-``compose`` turns a request that gives the text to speak (``input``) into one that gives the whole instruction, the
-target length and the seed, in AuK's wording (``auk_worker/wording.py``):
+``compose`` turns a request that gives the text to speak (``input``) into the parts the service writes AuK's
+instruction from (``auk_worker/longform/``, which plans it into one pass or several segments):
 
-- a described voice (none named: ``default``): the instruct TTS sentence with the voice's description, plus the
-  request's ``instructions`` as a speaking style, in the Chinese wording for ``language: Chinese``; the voice's seed
-  unless the request gives one; the length estimated from the text at ``speed`` and the language's rate;
+- a described voice (none named: ``default``): its description, plus the request's ``instructions`` as a speaking
+  style; the voice's seed unless the request gives one; the instruct TTS sentence (the Chinese one for Chinese text
+  or ``language: Chinese``), the length estimated from the text at ``speed`` and the script's speaking rate;
 - a clip (a clip voice, an upload, an input key, a speech request's ``ref_audio``): the zero-shot sentence; the
-  length estimated from ``ref_text`` and the clip's length when the transcript is given, else (as upstream) the
-  clip's own length, divided by ``speed``.
+  length estimated from ``ref_text`` and the clip's length when the transcript is given, else from the rates.
 
 A given length wins; with a ``speed`` other than 1 the two are refused only when they disagree. A request that
 already gives the whole ``instruction`` passes unchanged (it may not also give ``input``, a style, a speed, a
@@ -29,8 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 from api.deps import Services
-from auk_worker import rules, wording
 from auk_worker.errors import InputError
+from auk_worker.longform.duration import Estimator, check_agreement, check_speed, language_code
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.records.voices import VOICE_PREFIX, Voice
 from auk_worker.voice_catalogue import NamedVoice, load_catalogue
@@ -104,8 +103,8 @@ def compose(request: JobRequest, clip: dict[str, Any] | None, voice: NamedVoice 
             raise InputError(f"voice: {request.voice!r} is a described voice: give the text to speak as input, "
                              "not a whole instruction")  # fmt: skip
         return request
-    lang = wording.language(request.language)
-    speed = wording.check_speed(request.speed)
+    language_code(request.language)  # a language that is not one is refused by name
+    speed = check_speed(request.speed)
     text = request.input.strip()
     if not text:
         raise InputError("input: give the text to speak")
@@ -115,7 +114,7 @@ def compose(request: JobRequest, clip: dict[str, Any] | None, voice: NamedVoice 
             raise InputError("instructions: a speaking style applies to a described voice; a clip's voice speaks "
                              "as recorded (describe the change in a whole instruction instead)")  # fmt: skip
         if request.ref_text and request.ref_text.strip():
-            natural = wording.estimate_seconds(text, ref_text=request.ref_text, ref_seconds=clip["duration_s"])
+            natural = Estimator(clip_seconds=clip["duration_s"], ref_text=request.ref_text)(text)
         else:
             natural = None
     else:
@@ -125,7 +124,7 @@ def compose(request: JobRequest, clip: dict[str, Any] | None, voice: NamedVoice 
         style = request.instructions.strip() if request.instructions and request.instructions.strip() else None
         update.update(description=voice.description, style=style,
                       seed=request.seed if request.seed is not None else voice.seed)
-        natural = wording.estimate_seconds(text, lang=lang)
+        natural = Estimator(language=request.language)(text)
     if request.gen_seconds is not None and natural is not None:
-        wording.check_agreement(request.gen_seconds, natural, speed, length_field)
+        check_agreement(request.gen_seconds, natural, speed, length_field)
     return request.model_copy(update=update)

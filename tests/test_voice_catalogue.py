@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from auk_worker import rules, wording
+from auk_worker import rules
 from auk_worker.errors import InputError
+from auk_worker.longform.duration import check_agreement, language_code
 from auk_worker.voice_catalogue import CatalogueError, load_catalogue, parse_catalogue
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
@@ -37,32 +38,17 @@ def test_a_bad_catalogue_is_refused_naming_the_entry(raw: dict, named: str) -> N
         parse_catalogue(raw)
 
 
-def test_the_sentences_are_the_cookbooks() -> None:
-    assert wording.instruct("A calm voice.", 'Say "hi".') == (
-        'Generate speech based on the following description: "A calm voice.". The content to speak is: '
-        '"Say \\"hi\\".".'
-    )
-    assert wording.instruct("温柔的女声", "你好") == '请基于下面的描述: "温柔的女声",生成语音内容"你好".'
-    assert wording.zero_shot("Hello.") == 'Say the following with the same voice: "Hello."'
-    assert wording.describe("A calm voice", "whisper") == "A calm voice. Speaking style: whisper"
-    assert wording.describe("A calm voice.", None) == "A calm voice."
-
-
-def test_the_estimate_follows_speed_language_and_transcript() -> None:
-    text = "x" * 140
-    assert wording.estimate_seconds(text) == round(140 / 14 + 0.3, 2)
-    assert wording.estimate_seconds(text, speed=2.0) == round((140 / 14 + 0.3) / 2, 2)
-    assert wording.estimate_seconds("今天天气真好") == wording.estimate_seconds("今天天气真好", lang=wording.language("zh"))
-    assert wording.estimate_seconds("abcd", ref_text="ab", ref_seconds=1.5) == 3.0  # upstream's byte ratio
-    assert wording.estimate_seconds("a", speed=4.0) == wording.MIN_ESTIMATE_S
-    with pytest.raises(InputError, match="language: unknown language 'Klingon'.*English"):
-        wording.language("Klingon")
+def test_languages_are_codes_or_the_names_clients_send() -> None:
+    assert [language_code(name) for name in ("English", "zh-CN", "German", "auto", None, "pt_BR")] == [
+        "en", "zh", "de", None, None, "pt"]
+    with pytest.raises(InputError, match="language: 'Klingon' is neither an ISO 639 code"):
+        language_code("Klingon")
 
 
 def test_speed_and_duration_are_refused_only_when_they_disagree() -> None:
-    wording.check_agreement(5.0, 5.0, 1.0)  # speed 1 never disagrees
-    wording.check_agreement(2.6, 5.0, 2.0)  # 5 s of text in 2.6 s: about speed 2
+    check_agreement(5.0, 5.0, 1.0)  # speed 1 never disagrees
+    check_agreement(2.6, 5.0, 2.0)  # 5 s of text in 2.6 s: about speed 2
     with pytest.raises(InputError, match="speed 2 and duration_seconds 10 disagree"):
-        wording.check_agreement(10.0, 5.0, 2.0)
-    with pytest.raises(InputError, match="gen_seconds"):
-        wording.check_agreement(1.0, 5.0, 0.5, "gen_seconds")
+        check_agreement(10.0, 5.0, 2.0, "duration_seconds")
+    with pytest.raises(InputError, match="speed 0.5 and gen_seconds 1 disagree"):
+        check_agreement(1.0, 5.0, 0.5)

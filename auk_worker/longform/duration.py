@@ -38,8 +38,12 @@ CJK_DEFAULT_RATE = CJK_RATE["zh"]
 OTHER_RATE = LATIN_RATE
 
 
-# vLLM-Omni's and Qwen-TTS's language names, besides ISO 639 codes ("en", "zh-CN", "ja").
-LANGUAGE_NAMES = {"english": "en", "chinese": "zh", "mandarin": "zh", "japanese": "ja", "korean": "ko"}
+# vLLM-Omni's and Qwen3-TTS's language names, besides ISO 639 codes ("en", "zh-CN", "ja").
+LANGUAGE_NAMES = {"english": "en", "chinese": "zh", "mandarin": "zh", "japanese": "ja", "korean": "ko",
+                  "german": "de", "french": "fr", "spanish": "es", "italian": "it", "portuguese": "pt",
+                  "russian": "ru"}  # fmt: skip
+# How far a given length may be from the speed's estimate before the two are said to disagree (either way).
+SPEED_TOLERANCE = 1.5
 
 
 def language_code(language: str | None) -> str | None:
@@ -134,6 +138,19 @@ def check_speed(speed: float | None) -> float:
     ):
         raise InputError(f"speed must be in [{SPEED_MIN:g}, {SPEED_MAX:g}], got {speed!r}")
     return float(speed)
+
+
+def check_agreement(given_s: float, natural_s: float, speed: float, field: str = "gen_seconds") -> None:
+    """A given length with a speed other than 1: refused only when the two disagree, i.e. when the speed the length
+    implies (``natural_s / given_s``) is more than ``SPEED_TOLERANCE`` times away from ``speed``."""
+    if speed == 1.0:
+        return
+    implied = natural_s / given_s
+    if speed / SPEED_TOLERANCE <= implied <= speed * SPEED_TOLERANCE:
+        return
+    raise InputError(f"speed {speed:g} and {field} {given_s:g} disagree: the text takes about {natural_s:.2f} s at "
+                     f"speed 1, so speed {speed:g} means about {natural_s / speed:.2f} s, and {given_s:g} s means "
+                     f"speed {implied:.2f}; give one of the two, or values that agree")
 
 
 def utf8_bytes(text: str) -> int:

@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import generate_latest
 
-from auk_worker.service import audit
+from auk_worker.service.ops import audit
 from auk_worker.service.ops.audit import CachedAudit, audit_queue
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery
 from auk_worker.service.queues.fairshare import FairShare

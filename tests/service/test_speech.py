@@ -28,7 +28,8 @@ import soundfile as sf
 from openai._streaming import SSEDecoder
 
 from auk_client import ApiError, Client
-from auk_worker import wording
+from auk_worker.longform.duration import Estimator
+from auk_worker.longform.instructions import SPEAK, write_instruction
 from auk_worker.voice_catalogue import load_catalogue
 from tests.service.conftest import BUCKET
 from tests.service.harness import ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
@@ -75,6 +76,16 @@ def wav_bytes(seconds: float, rate: int = 16_000, channels: int = 1) -> bytes:
 
 def expected_samples(seconds: float) -> int:
     return math.ceil(50 * seconds) * HOP
+
+
+def written(request: dict) -> str:
+    """The instruction the service wrote for a job's text (a one-pass plan's)."""
+    assert request["plan"]["kind"] == "single"
+    return request["plan"]["instruction"]
+
+
+def instruct(description: str, text: str, style: str | None = None) -> str:
+    return write_instruction(SPEAK, text, description=description, style=style)
 
 
 def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int, int]:
@@ -171,7 +182,7 @@ def test_openai_sdk_answers_each_format(service: Service, fmt: str) -> None:
     assert job.status == "succeeded" and job.result.format == fmt
     assert job.result.key.endswith(f".{'pcm' if fmt == 'pcm' else fmt}")
     coral = load_catalogue().get("coral")
-    assert job.request["instruction"] == wording.instruct(coral.description, "Hello from the SDK.")
+    assert written(job.request) == instruct(coral.description, "Hello from the SDK.")
     assert job.request["seed"] == coral.seed and job.request["voice"] == "coral"
     assert job.request["priority"] == "interactive" and job.request["num_inference_steps"] == 2
     stored = httpx.get(job.result.url, timeout=30)
@@ -180,7 +191,8 @@ def test_openai_sdk_answers_each_format(service: Service, fmt: str) -> None:
 
 
 def test_openai_sdk_streaming_response_and_voice(service: Service, tmp_path: Path) -> None:
-    """``with_streaming_response`` with a saved voice as ``voice``: a zero-shot render of the clip's length."""
+    """``with_streaming_response`` with a saved voice as ``voice``: a zero-shot render of the text's estimated
+    length (no transcript: the speaking rate, not the clip's length)."""
     with service.client() as auk:
         voice = auk.create_voice(wav_bytes(0.9, rate=44_100, channels=2), name="narrator", filename="n.wav")
     sdk = service.sdk()
@@ -192,8 +204,7 @@ def test_openai_sdk_streaming_response_and_voice(service: Service, tmp_path: Pat
         assert response.headers["content-type"] == "audio/flac"
         response.stream_to_file(out)
     samples, rate, channels = decode(out.read_bytes(), "flac")
-    # Without duration_seconds the target is the clip's whole frames, as a job without gen_seconds.
-    assert (rate, channels, len(samples)) == (SR, 1, (int(0.9 * 44_100) * SR // 44_100 // HOP) * HOP)
+    assert (rate, channels, len(samples)) == (SR, 1, expected_samples(Estimator()("Hello there.")))
 
 
 @pytest.mark.parametrize(("extra", "named"), [
@@ -237,27 +248,27 @@ def test_an_unchanged_openai_program(service: Service) -> None:
     response = service.sdk().audio.speech.create(model="gpt-4o-mini-tts", voice="alloy", input=text)
     assert response.response.headers["content-type"] == "audio/mpeg"
     samples, rate, channels = decode(response.content, "mp3")
-    estimate = wording.estimate_seconds(text)
+    estimate = Estimator()(text)
     assert (rate, channels, len(samples)) == (SR, 1, expected_samples(estimate))
     with service.client() as auk:
         job = auk.wait_job(response.response.headers["x-job-id"], interval=0.05, timeout=30)
     alloy = load_catalogue().get("alloy")
-    assert job.request["instruction"] == wording.instruct(alloy.description, text)
-    assert (job.request["seed"], job.request["gen_seconds"], job.result.format) == (alloy.seed, estimate, "mp3")
+    assert written(job.request) == instruct(alloy.description, text)
+    assert (job.request["seed"], job.request["plan"]["gen_seconds"], job.result.format) == (alloy.seed, estimate, "mp3")
 
 
 def test_speed_style_language_and_transcript(service: Service) -> None:
     text = "The quick brown fox jumps over the lazy dog near the river bank."
-    natural = wording.estimate_seconds(text)
+    natural = Estimator()(text)
     nova = load_catalogue().get("nova")
     body = {"input": text, "voice": "nova", "response_format": "pcm"}
     with service.http() as http:
         fast = http.post("/v1/audio/speech", json={**body, "speed": 2.0, "instructions": "Speak cheerfully."})
         assert fast.status_code == 200, fast.text
-        assert len(fast.content) == expected_samples(round(natural / 2, 2)) * 2  # the speed halves the estimate
+        assert len(fast.content) == expected_samples(natural / 2) * 2  # the speed halves the estimate
         job = http.get(f"/v1/jobs/{fast.headers['x-job-id']}").json()
-        style = wording.describe(nova.description, "Speak cheerfully.")
-        assert job["request"]["instruction"] == wording.instruct(style, text) and "Speak cheerfully." in style
+        assert written(job["request"]) == instruct(nova.description, text, "Speak cheerfully.")
+        assert "Speak cheerfully." in written(job["request"])
         # A duration that agrees with the speed is taken as given; one that does not is refused, naming both.
         agreed = http.post("/v1/audio/speech", json={**body, "speed": 2.0, "duration_seconds": round(natural / 1.8, 2)})
         assert agreed.status_code == 200 and len(agreed.content) == expected_samples(round(natural / 1.8, 2)) * 2
@@ -269,8 +280,8 @@ def test_speed_style_language_and_transcript(service: Service) -> None:
                                                       "response_format": "pcm"})  # fmt: skip
         assert chinese.status_code == 200, chinese.text
         job = http.get(f"/v1/jobs/{chinese.headers['x-job-id']}").json()
-        assert job["request"]["instruction"].startswith("请基于下面的描述")
-        assert job["request"]["gen_seconds"] == wording.estimate_seconds("今天天气真好", lang=wording.language("zh"))
+        assert written(job["request"]).startswith("请基于下面的描述")
+        assert job["request"]["plan"]["gen_seconds"] == Estimator(language="zh")("今天天气真好")
         # With a clip, its transcript and length set the estimate (upstream's ref_text rule).
         ref = "data:audio/wav;base64," + base64.b64encode(wav_bytes(1.0)).decode()
         said = "Hello, this is a cloned voice speaking."
@@ -279,10 +290,10 @@ def test_speed_style_language_and_transcript(service: Service) -> None:
                                                      "language": "Auto", "x_vector_only_mode": False,
                                                      "max_new_tokens": 2048, "initial_codec_chunk_frames": 0})
         assert cloned.status_code == 200, cloned.text
-        expected = wording.estimate_seconds(said, ref_text="Original transcript.", ref_seconds=1.0)
+        expected = Estimator(clip_seconds=1.0, ref_text="Original transcript.")(said)
         assert len(cloned.content) == expected_samples(expected) * 2
         job = http.get(f"/v1/jobs/{cloned.headers['x-job-id']}").json()
-        assert job["request"]["instruction"] == wording.zero_shot(said)
+        assert written(job["request"]) == write_instruction(SPEAK, said, has_clip=True)
 
 
 def test_voices_from_descriptions_and_names_on_every_path(service: Service) -> None:
@@ -305,7 +316,7 @@ def test_voices_from_descriptions_and_names_on_every_path(service: Service) -> N
         spoken = http.post("/v1/audio/speech", json={"input": "Ahoy there.", "voice": "sailor", "response_format": "wav"})
         assert spoken.status_code == 200, spoken.text
         job = http.get(f"/v1/jobs/{spoken.headers['x-job-id']}").json()
-        assert job["request"]["instruction"] == wording.instruct(sailor["description"], "Ahoy there.")
+        assert written(job["request"]) == instruct(sailor["description"], "Ahoy there.")
         assert job["request"]["seed"] == sailor["seed"]
         # By id too, and another key knows neither.
         by_id = http.post("/v1/audio/speech", json={"input": "Ahoy.", "voice": sailor["voice_id"]})
@@ -323,9 +334,9 @@ def test_voices_from_descriptions_and_names_on_every_path(service: Service) -> N
         assert batch.counts["succeeded"] == 3
         by_line = {job.custom_id: job for job in auk.batch_jobs(batch.id)}
         catalogue = load_catalogue()
-        assert by_line["nova"].request["instruction"] == wording.instruct(catalogue.get("nova").description, "Line one.")
+        assert written(by_line["nova"].request) == instruct(catalogue.get("nova").description, "Line one.")
         assert by_line["sailor"].request["seed"] == sailor["seed"]
-        assert by_line["sailor"].request["gen_seconds"] == wording.estimate_seconds("Line two.", speed=1.5)
+        assert by_line["sailor"].request["plan"]["gen_seconds"] == Estimator(speed=1.5)("Line two.")
         assert by_line["default"].request["seed"] == catalogue.default.seed
         job = auk.wait_job(queued.json()["id"], interval=0.05, timeout=30)
         assert job.status == "succeeded" and job.request["seed"] == catalogue.get("nova").seed
@@ -383,7 +394,7 @@ def test_vllm_omni_stream_and_a_client_that_hangs_up(service: Service) -> None:
         with http.stream("POST", "/v1/audio/speech", json=body) as response:
             assert response.status_code == 200 and response.headers["transfer-encoding"] == "chunked"
             data = b"".join(response.iter_raw())
-        assert len(data) == expected_samples(wording.estimate_seconds(body["input"], lang=wording.language("en"))) * 2
+        assert len(data) == expected_samples(Estimator(language="en")(body["input"])) * 2
         with http.stream("POST", "/v1/audio/speech", json={**body, "duration_seconds": 8.0}) as response:
             job_id = response.headers["x-job-id"]
             next(response.iter_raw())
@@ -426,7 +437,7 @@ def test_vllm_omni_published_examples(service: Service, body: dict) -> None:
         assert response.status_code == 200, response.text
         assert response.headers["content-type"] == "audio/mpeg" and decode(response.content, "mp3")[1] == SR
         job = http.get(f"/v1/jobs/{response.headers['x-job-id']}").json()
-    instruction = job["request"]["instruction"]
+    instruction = written(job["request"])
     assert body["input"] in instruction and body.get("instructions", "") in instruction
 
 

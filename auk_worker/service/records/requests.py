@@ -11,9 +11,9 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from auk_worker import formats, rules, wording
+from auk_worker import formats, rules
 from auk_worker.longform import instructions as longform_instructions
-from auk_worker.longform.duration import SPEED_MAX, SPEED_MIN
+from auk_worker.longform.duration import SPEED_MAX, SPEED_MIN, language_code
 from auk_worker.longform.text import MAX_JOB_TEXT_CHARS
 
 Variant = Literal["base", "flash"]
@@ -120,7 +120,7 @@ class JobRequest(BaseModel):
             if self.text is not None or self.instruction is not None:
                 raise ValueError("input is the text to speak: give input, text or instruction, one of them")
             if self.language is not None:
-                wording.language(self.language)
+                language_code(self.language)
             if self.audio is not None and self.voice is not None:
                 raise ValueError("give audio or voice, not both: a job takes one clip")
             return self
