@@ -526,3 +526,57 @@ def test_one_compilation_serves_every_layer_and_length(encoder):
         encoder.layer = thinker_layer
         torch._dynamo.reset()
     assert len(graphs) == 2, f"{len(graphs)} compilations"
+
+
+def _save_pretrained_thinker(snapshot: Path, dst: Path, keys_with_prefix: bool) -> Path:
+    """The tiny snapshot's thinker as transformers' ``save_pretrained`` writes it (config model_type
+    qwen2_5_omni_thinker, keys without ``thinker.``), then the processor's files copied beside it. With
+    ``keys_with_prefix`` the keys are rewritten to carry ``thinker.``, as a thinker cut out of the full checkpoint
+    keeps them."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    # transformers loads the thinker from its own layout (a thinker config, keys without the prefix), then saves it
+    source = dst.parent / f"{dst.name}-source"
+    source.mkdir()
+    config = json.loads((snapshot / "config.json").read_text())["thinker_config"]
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_5_omni_thinker"}))
+    weights = load_file(snapshot / "model.safetensors")
+    save_file({k.removeprefix("thinker."): v for k, v in weights.items() if k.startswith("thinker.")},
+              str(source / "model.safetensors"), metadata={"format": "pt"})
+    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(dst)
+    assert json.loads((dst / "config.json").read_text())["model_type"] == "qwen2_5_omni_thinker"
+    if keys_with_prefix:
+        _rewrite_weights(dst, lambda t: t.update({f"thinker.{k}": t.pop(k) for k in list(t)}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "preprocessor_config.json",
+                 "chat_template.json"):
+        shutil.copy(snapshot / name, dst / name)
+    return dst
+
+
+@pytest.mark.parametrize("keys_with_prefix", [False, True], ids=["keys-bare", "keys-prefixed"])
+def test_a_thinker_saved_by_transformers_loads_as_the_release_does(encoder, snapshot, fusion, tmp_path,
+                                                                    keys_with_prefix):
+    saved = _save_pretrained_thinker(snapshot, tmp_path / "saved", keys_with_prefix)
+    loaded = ThinkerEncoder.load(saved, *fusion, device="cpu", dtype=torch.float32)
+    reference = encoder.trunk.state_dict()
+    other = loaded.trunk.state_dict()
+    assert other.keys() == reference.keys()
+    assert all(torch.equal(other[k], reference[k]) for k in reference)
+    audio = clip(1.3)
+    assert torch.equal(loaded.encode(INSTRUCTION, audio)[0], encoder.encode(INSTRUCTION, audio)[0])
+
+
+def test_a_thinker_saved_without_its_processor_files_is_refused_with_what_to_do(snapshot, tmp_path):
+    saved = _save_pretrained_thinker(snapshot, tmp_path / "saved", keys_with_prefix=False)
+    for name in ("tokenizer.json", "vocab.json", "preprocessor_config.json"):
+        (saved / name).unlink()
+    with pytest.raises(CheckpointError, match=r"no preprocessor_config\.json and no tokenizer.*Qwen2_5OmniProcessor"):
+        PromptProcessor.from_pretrained(saved)
+
+
+def test_a_thinker_whose_keys_mix_both_forms_is_refused(snapshot, fusion, tmp_path):
+    saved = _save_pretrained_thinker(snapshot, tmp_path / "saved", keys_with_prefix=False)
+    _rewrite_weights(saved, lambda t: t.update({"thinker.model.norm.weight": t.pop("model.norm.weight")}))
+    with pytest.raises(CheckpointError, match=r"mix 'thinker\.model\.norm\.weight'.*save_pretrained"):
+        ThinkerEncoder.load(saved, *fusion, device="cpu", dtype=torch.float32)

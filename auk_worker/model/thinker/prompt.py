@@ -150,8 +150,17 @@ class PromptProcessor:
         from transformers import Qwen2TokenizerFast, WhisperFeatureExtractor
 
         qwen_dir = Path(qwen_dir)
-        if not (qwen_dir / "preprocessor_config.json").is_file():
-            raise CheckpointError(f"Qwen snapshot {qwen_dir} has no preprocessor_config.json")
+        has = lambda name: (qwen_dir / name).is_file()  # noqa: E731
+        missing = [] if has("preprocessor_config.json") else ["preprocessor_config.json"]
+        if not (has("tokenizer.json") or (has("vocab.json") and has("merges.txt"))):
+            missing.append("tokenizer.json (or vocab.json and merges.txt)")
+        if missing:
+            raise CheckpointError(
+                f"Qwen snapshot {qwen_dir} has no {' and no '.join(missing)}: a model's save_pretrained writes "
+                f"weights and config only; copy the processor's files (tokenizer and preprocessor_config.json) "
+                f"from the Qwen2.5-Omni-3B snapshot into it, or save them there with "
+                f"Qwen2_5OmniProcessor.save_pretrained"
+            )
         spec = ThinkerSpec.from_config(read_thinker_config(qwen_dir))
         # The Qwen2 tokenizer class directly: AutoTokenizer would parse the whole Omni config.json, whose talker
         # section makes transformers log token-id warnings that have nothing to do with the thinker.

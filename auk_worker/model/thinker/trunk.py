@@ -14,7 +14,7 @@ Shapes: b prompts in a batch, nt prompt tokens, na audio tokens, m mel bins, f m
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,9 @@ FUSION_LN_EPS = 1e-5
 
 
 # Snapshot keys the encoder never loads, each with its cause. Anything else must be a `thinker.` key that the
-# trunk expects; a bare-thinker snapshot (keys without `thinker.`) is read as if every key carried the prefix.
+# trunk expects. A bare-thinker snapshot (config model_type qwen2_5_omni_thinker) comes in two forms, both read:
+# keys without `thinker.` (transformers' own save_pretrained of the thinker class writes these), read as if every
+# key carried the prefix, and keys that already carry it (a thinker cut out of the full checkpoint as it is).
 IGNORED_KEY_PREFIXES: dict[str, str] = {
     "thinker.visual.": "vision tower: AuK conditions on text and audio only (upstream sets thinker.visual = None)",
     "thinker.lm_head.": "LM head: the encoder reads hidden states and never computes logits",
@@ -285,9 +287,26 @@ def _snapshot_tensor_files(qwen_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"Qwen snapshot {qwen_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _trunk_key(snapshot_key: str, full_snapshot: bool) -> str | None:
-    """The trunk's key for a snapshot key, None for an ignored one; unknown prefixes are a CheckpointError."""
-    key = snapshot_key if full_snapshot else THINKER_PREFIX + snapshot_key
+def _keys_carry_prefix(qwen_dir: Path, keys: Iterable[str]) -> bool:
+    """Whether a bare-thinker snapshot's keys carry ``thinker.``: all of them or none, never a mix."""
+    keys = list(keys)
+    prefixed = [key for key in keys if key.startswith(THINKER_PREFIX)]
+    if not prefixed:
+        return False
+    if len(prefixed) == len(keys):
+        return True
+    plain = next(key for key in keys if not key.startswith(THINKER_PREFIX))
+    raise CheckpointError(
+        f"Qwen snapshot {qwen_dir}: a bare thinker (model_type qwen2_5_omni_thinker) whose keys mix "
+        f"{prefixed[0]!r} and {plain!r}; save the thinker again with save_pretrained (keys without 'thinker.'), "
+        f"or point at the full Qwen2.5-Omni-3B snapshot"
+    )
+
+
+def _trunk_key(snapshot_key: str, prefixed: bool) -> str | None:
+    """The trunk's key for a snapshot key, None for an ignored one; unknown prefixes are a CheckpointError.
+    ``prefixed``: the snapshot's keys carry ``thinker.`` (a full Qwen2.5-Omni snapshot always does)."""
+    key = snapshot_key if prefixed else THINKER_PREFIX + snapshot_key
     if any(key.startswith(prefix) for prefix in IGNORED_KEY_PREFIXES):
         return None
     if not key.startswith(THINKER_PREFIX):
@@ -299,10 +318,11 @@ def _read_trunk_weights(
     qwen_dir: Path, expected: dict[str, Tensor], computed: set[str], device: torch.device, dtype: torch.dtype
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield (trunk key, tensor on device) for every thinker key, checking names and shapes strictly."""
-    full_snapshot = is_full_omni_snapshot(qwen_dir)
+    files = _snapshot_tensor_files(qwen_dir)
+    prefixed = is_full_omni_snapshot(qwen_dir) or _keys_carry_prefix(qwen_dir, files)
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for snapshot_key, path in _snapshot_tensor_files(qwen_dir).items():
-        key = _trunk_key(snapshot_key, full_snapshot)
+    for snapshot_key, path in files.items():
+        key = _trunk_key(snapshot_key, prefixed)
         # A stored copy of a computed buffer (an export that kept the sinusoids, say) is skipped: transformers
         # also recomputes these at init and ignores the copy.
         if key is None or key in computed:
