@@ -6,6 +6,7 @@ processes (redis-server, SeaweedFS, the API under uvicorn, one worker per varian
     python -m bench.service --speech --pipeline auk --checkpoint DIR   # GPU: a real checkpoint
     python -m bench.service --startup [--pipeline ...]                 # worker start-up (bench/startup.py)
     python -m bench.service --stream --pipeline auk --checkpoint TINY  # streamed answers: first byte and last
+    python -m bench.service --stream --stream-chars 4096 --pipeline random-release  # a long text streamed
 
 For each case (issue 35's rows: Flash 3 s, base instruct 6 s, base zero-shot 12 s with a 5 s reference; and a
 zero-shot render with a voice seen before against one with a new voice each time), ``--requests`` warm requests
@@ -165,13 +166,19 @@ class SpeechBench:
         last = time.perf_counter()
         return (first - started) * 1000, (last - started) * 1000, chunks, size
 
-    def streaming(self, variant: str, seconds: float, warmup: int, requests: int) -> dict:
-        """Each streaming format, whole and streamed, interleaved so that both see the same load."""
+    def streaming(self, variant: str, seconds: float, warmup: int, requests: int, chars: int = 0) -> dict:
+        """Each streaming format, whole and streamed, interleaved so that both see the same load. With ``chars``, a
+        text of that many characters and no length (a long text: its segments stream as they are joined), PCM only."""
         bodies = {}
-        for fmt in STREAM_FORMATS:
+        for fmt in ("pcm",) if chars else STREAM_FORMATS:
             for mode in ("whole", "stream"):
                 body = {"model": "auk", "variant": variant, "voice": "alloy", "input": STREAM_TEXT,
                         "duration_seconds": seconds, "response_format": fmt}  # fmt: skip
+                if chars:
+                    from bench.longform import english  # torch comes with it: only for this case
+
+                    body["input"] = english(chars)
+                    del body["duration_seconds"]
                 if mode == "stream":
                     body["stream_format"] = "audio"
                 if self.steps is not None and variant == "base":
@@ -232,7 +239,8 @@ def run(args: argparse.Namespace) -> dict:
             bench = SpeechBench(api.url, args.steps)
             results = {case.name: bench.case(case, args.warmup, args.requests) for case in cases}
             if args.stream:
-                results = bench.streaming(args.variant, args.stream_seconds, args.warmup, args.requests)
+                results = bench.streaming(args.variant, args.stream_seconds, args.warmup, args.requests,
+                                          args.stream_chars)
         finally:
             for worker in workers:
                 worker.terminate(timeout=60)
@@ -253,7 +261,8 @@ def run(args: argparse.Namespace) -> dict:
                   "steps": args.steps, "warmup": args.warmup,
                   "format": "each streaming format" if args.stream else "wav",
                   "checkpoint": str(args.checkpoint) if args.checkpoint else None,
-                  **({"variant": args.variant, "audio_seconds": args.stream_seconds} if args.stream else {})},  # fmt: skip
+                  **({"variant": args.variant, "audio_seconds": None if args.stream_chars else args.stream_seconds,
+                      "text_characters": args.stream_chars or None} if args.stream else {})},  # fmt: skip
         "note": ("instant pipeline: silence made at once, so 'render' is not a GPU render; the figures are the "
                  "service's overhead around it") if args.pipeline == "instant" else "",
         "cases": results,
@@ -279,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=3, help="with --startup: worker starts (the first cold)")
     parser.add_argument("--stream", action="store_true", help="streamed answers against whole ones, each format")
     parser.add_argument("--stream-seconds", type=float, default=6.0, help="with --stream: audio seconds")
+    parser.add_argument("--stream-chars", type=int, default=0,
+                        help="with --stream: a text of this many characters, its length estimated (long text), PCM")
     parser.add_argument("--variant", default="base", choices=("base", "flash"),
                         help="with --startup or --stream: the worker's")
     parser.add_argument("--deploy-config", type=Path, help="with --startup: the worker's deploy config")
@@ -298,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return _startup(args)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    kind = "stream" if args.stream else "speech"
+    kind = ("stream-long" if args.stream_chars else "stream") if args.stream else "speech"
     name = f"service-{kind}-{result['commit']}-{result['device']}-{args.pipeline}-{datetime.now(timezone.utc):%Y-%m-%d}"
     path = args.out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

@@ -80,12 +80,16 @@ def test_a_render_thread_replays_the_graphs_the_main_thread_captured(pipe):
     the main thread's bits."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from auk_worker.service.worker.main import _render_thread_setup
+
     request = RenderRequest(INSTRUCT, gen_seconds=3.0, seed=21)
     here = pipe.render(request).waveform
     steps: list[int] = []
+    pin = _render_thread_setup(pipe)  # the worker's task_prerun handler, made in the loading thread as there
 
     def in_thread() -> np.ndarray:
-        torch.cuda.set_device(pipe.device)
+        pin()
+        assert torch.cuda.current_device() == (pipe.device.index or 0)
         return pipe.render(request, on_step=lambda step, total: steps.append(step)).waveform
 
     with ThreadPoolExecutor(max_workers=1) as pool:

@@ -287,17 +287,21 @@ def _after_bulk_task(feeder: Feeder):
 
 
 def _render_thread_setup(pipeline: Pipeline):
-    """A ``task_prerun`` handler (it runs in the render thread): pin the pipeline's CUDA device there once."""
+    """A ``task_prerun`` handler (it runs in the render thread): pin the pipeline's CUDA device there once. Made in
+    the loading thread: a device given as plain ``cuda`` is that thread's current device, while a new thread starts
+    on device 0, and ``set_device`` takes only an index."""
     pinned = threading.local()
+    torch = sys.modules.get("torch")  # only the real pipeline loads torch
+    device = getattr(pipeline, "device", None)
+    index = None
+    if torch is not None and getattr(device, "type", None) == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
 
     def setup(**_: object) -> None:
-        if getattr(pinned, "done", False):
+        if index is None or getattr(pinned, "done", False):
             return
         pinned.done = True
-        torch = sys.modules.get("torch")  # only the real pipeline loads torch
-        device = getattr(pipeline, "device", None)
-        if torch is not None and getattr(device, "type", None) == "cuda":
-            torch.cuda.set_device(device)
+        torch.cuda.set_device(index)
 
     return setup
 
