@@ -177,7 +177,7 @@ class SpeechBench:
                 if chars:
                     from bench.longform import english  # torch comes with it: only for this case
 
-                    body["input"] = english(chars)
+                    body["input"] = english(chars)[:chars].rsplit(" ", 1)[0]  # whole words, at most chars
                     del body["duration_seconds"]
                 if mode == "stream":
                     body["stream_format"] = "audio"
