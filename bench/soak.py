@@ -10,7 +10,10 @@ and starts it again under the same id after ``--restart-delay-s`` seconds, as a 
 checks what the issue asks and prints it:
 
 - jobs, succeeded, failed, **lost** (no terminal record), **stuck** (queued or running at the end), **duplicated**
-  (more than one ``succeeded`` line in the workers' logs, or more than one WAV);
+  (more than one ``succeeded`` line in the workers' logs, or a WAV the record does not name once the orphans are
+  swept);
+- **orphans swept**: objects of attempts killed between their upload and their record, deleted by the retention
+  sweeper's orphan pass (``records/attempts.py``), run here with no grace period;
 - one WAV per job in storage, the manifest complete (one line per job, every custom id);
 - faults injected, and the **recovery time** of every job a kill took: from the kill to the job's next start on a
   live worker, p50 and max.
@@ -39,6 +42,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from auk_worker.service.records.attempts import ResultNotes
 from auk_worker.service.records.jobs import JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_dev.local import REPO, ApiProcess, RedisServer, S3Server, WorkerProcess, connection_env, free_port
@@ -88,6 +92,7 @@ class SoakReport:
     stuck: int = 0
     duplicated: int = 0
     wavs: int = 0
+    orphans_swept: int = 0
     manifest_lines: int = 0
     manifest_complete: bool = False
     kills: list[Kill] = field(default_factory=list)
@@ -105,6 +110,7 @@ class SoakReport:
         return {
             "wall_s": round(self.wall_s, 1), "jobs": self.jobs, "succeeded": self.succeeded, "failed": self.failed,
             "lost": self.lost, "stuck": self.stuck, "duplicated": self.duplicated, "wavs": self.wavs,
+            "orphans_swept": self.orphans_swept,
             "manifest_complete": self.manifest_complete, "faults": len(self.kills) + len(self.redis_outages),
             "kills": len(self.kills), "jobs_hit": len(times), "redis_outages": len(self.redis_outages),
             "recovery_p50_s": round(statistics.median(times), 2) if times else None,
@@ -291,6 +297,9 @@ class Soak:
         report.failed = sum(1 for r in records if r.status == JobStatus.FAILED)
         report.errors = [{"job": r.id, **(r.error or {})} for r in records if r.status == JobStatus.FAILED][:20]
         report.attempts_max = max((r.attempts for r in records), default=0)
+        # A worker killed after its upload and before its record leaves its attempt's object behind; the retention
+        # sweeper deletes it an hour later. Sweep now, so that what remains is what the records name.
+        report.orphans_swept = ResultNotes(store.redis, store.ns).sweep(store, storage, grace_s=0)
         wav_keys = [k for k in storage.list_keys(f"{settings.s3_prefix}jobs/") if k.endswith(".wav")]
         report.wavs = len(wav_keys)
         expected = {r.result["key"] for r in records if r.status == JobStatus.SUCCEEDED}  # each attempt its own key
@@ -319,7 +328,8 @@ def print_report(report: SoakReport) -> None:
     print(f"  faults injected: {summary['kills']} SIGKILLs of busy workers ({summary['jobs_hit']} jobs held), "
           f"{summary['redis_outages']} Redis outages")  # fmt: skip
     print(f"  succeeded {summary['succeeded']}, failed {summary['failed']}, lost {summary['lost']}, "
-          f"duplicated {summary['duplicated']}, stuck {summary['stuck']}; {summary['wavs']} WAVs; "
+          f"duplicated {summary['duplicated']}, stuck {summary['stuck']}; {summary['wavs']} WAVs "
+          f"({summary['orphans_swept']} orphans swept); "
           f"manifest complete: {summary['manifest_complete']}")  # fmt: skip
     print(f"  recovery (kill -> next start): p50 {summary['recovery_p50_s']} s, max {summary['recovery_max_s']} s; "
           f"most attempts of one job: {summary['attempts_max']}")  # fmt: skip

@@ -28,6 +28,7 @@ def test_three_hosts_1000_jobs_20_kills_every_job_once(tmp_path: Path) -> None:
     assert summary["kills"] == config.kills and summary["jobs_hit"] >= config.kills, summary
     assert report.succeeded == config.jobs, report.errors
     assert report.lost == report.stuck == report.failed == report.duplicated == 0, (summary, report.stuck_ids)
+    assert report.wavs == config.jobs, summary  # one object per job once the killed attempts' orphans are swept
     assert report.wavs == config.jobs  # exactly one WAV per job
     assert report.manifest_lines == config.jobs and report.manifest_complete
     assert summary["recovery_max_s"] < RECOVERY_TARGET_S, [k for k in report.kills]
