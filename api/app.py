@@ -77,7 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
         generate_unique_id_function=operation_id,
     )
     app.state.services = built
-    load_catalogue()  # the built-in voices, read strictly now: a bad config/voices.yaml stops the API at start-up
+    load_catalogue(settings.voices_file)  # the built-in voices, read strictly now: a bad file stops the API at start-up
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)

@@ -163,7 +163,7 @@ def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
     (``api/voicing.py``)."""
     clip = resolver.resolve(request)
     voice = resolver.voices.find(request.voice) if request.voice is not None else None
-    return record_request(compose(request, clip, voice), clip)
+    return record_request(compose(request, clip, voice, default_voice=resolver.voices.catalogue.default), clip)
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -243,7 +243,8 @@ def _submit_job(svc: Services, owner: str, request: JobRequest, idempotency_key:
     clip = clip_source(request)
     if voice is None and request.voice is not None:
         voice = voices.find(request.voice)
-    prepared = record_request(compose(request, clip, voice, length_field=length_field), clip)
+    prepared = record_request(compose(request, clip, voice, default_voice=voices.catalogue.default,
+                                      length_field=length_field), clip)
     if reply:
         prepared["reply"] = reply
     queue = queue_name(request.variant, request.priority)

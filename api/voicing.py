@@ -44,7 +44,7 @@ class VoiceBook:
     def __init__(self, svc: Services, owner: str) -> None:
         self.svc = svc
         self.owner = owner
-        self.catalogue = load_catalogue()
+        self.catalogue = load_catalogue(svc.settings.voices_file)
         self._found: dict[str, NamedVoice | Voice] = {}
         self._own: dict[str, Voice] | None = None
 
@@ -87,7 +87,7 @@ def described(voice: NamedVoice | Voice | None) -> bool:
 
 
 def compose(request: JobRequest, clip: dict[str, Any] | None, voice: NamedVoice | Voice | None, *,
-            length_field: str = "gen_seconds") -> JobRequest:
+            default_voice: NamedVoice, length_field: str = "gen_seconds") -> JobRequest:
     """``request`` with its text (``input``) and voice made into the parts the service writes AuK's instruction
     from (``auk_worker/longform``: the text, a voice description or the clip, a style), so that a text of any
     length renders, split into segments where it is longer than one pass (see the module docstring).
@@ -120,7 +120,7 @@ def compose(request: JobRequest, clip: dict[str, Any] | None, voice: NamedVoice 
     else:
         if request.ref_text is not None:
             raise InputError("ref_text: the transcript of a reference clip; this request has no clip")
-        voice = voice if described(voice) else load_catalogue().default
+        voice = voice if described(voice) else default_voice
         style = request.instructions.strip() if request.instructions and request.instructions.strip() else None
         update.update(description=voice.description, style=style,
                       seed=request.seed if request.seed is not None else voice.seed)

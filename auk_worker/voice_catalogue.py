@@ -6,14 +6,14 @@ worker, because nothing else goes into the render (the seed seeds the job's own 
 
 The file is read strictly, once per process: a missing or unknown key, a blank description, a seed outside
 [0, 2^63) or a repeated name is a ``CatalogueError`` naming the entry, raised where the catalogue is first used
-(the API and the worker load it at start-up). ``AUK_VOICES_FILE`` names another file in place of the shipped one.
+(the API loads it at start-up). ``AUK_VOICES_FILE`` (``Settings.voices_file``) names another file in place of the
+shipped one.
 
 Torch-free: the API, the worker and the CLI all import it.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,7 +25,6 @@ import yaml
 from auk_worker import rules
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "voices.yaml"
-FILE_ENV = "AUK_VOICES_FILE"
 DEFAULT_VOICE = "default"
 NAME = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
 MAX_DESCRIPTION_CHARS = 1000
@@ -91,9 +90,9 @@ def parse_catalogue(raw: object, source: str = "voices file") -> VoiceCatalogue:
 
 
 @cache
-def load_catalogue(path: str | None = None) -> VoiceCatalogue:
-    """The catalogue at ``path``, else ``AUK_VOICES_FILE``, else ``config/voices.yaml`` (read once per path)."""
-    file = Path(path or os.environ.get(FILE_ENV) or DEFAULT_FILE)
+def load_catalogue(path: Path | str | None = None) -> VoiceCatalogue:
+    """The catalogue at ``path``, else the shipped ``config/voices.yaml`` (read once per path)."""
+    file = Path(path or DEFAULT_FILE)
     try:
         raw = yaml.safe_load(file.read_text())
     except OSError as exc:

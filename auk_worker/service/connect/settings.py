@@ -199,6 +199,7 @@ class Settings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     visibility_timeout: int = 3600
     deploy_config: Path = Path("config/auk.yaml")
+    voices_file: Path | None = None  # AUK_VOICES_FILE: the built-in voices; None: the shipped config/voices.yaml
     checkpoint: Path | None = None
     variant: str | None = None
     presign_seconds: int = 3600
@@ -293,6 +294,7 @@ class Settings:
             api_keys=api_keys,
             visibility_timeout=_int(env, "AUK_VISIBILITY_TIMEOUT", 3600, minimum=1),
             deploy_config=Path(_get(env, "AUK_DEPLOY_CONFIG") or "config/auk.yaml"),
+            voices_file=Path(voices_file) if (voices_file := _get(env, "AUK_VOICES_FILE")) else None,
             checkpoint=Path(checkpoint) if checkpoint else None,
             variant=_choice(env, "AUK_VARIANT", VARIANTS, None),
             presign_seconds=_int(env, "AUK_PRESIGN_SECONDS", 3600, minimum=1),
