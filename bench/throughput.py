@@ -1,7 +1,7 @@
 """Overnight throughput: one batch of N base instruct-TTS jobs through the real service, timed end to end.
 
 ``python -m bench.throughput [--jobs N] [--seconds 6] [--pipeline tiny|instant|release]
-[--deploy-config config/auk-bulk.yaml] [--dtype float8]`` starts a private redis-server, a SeaweedFS S3 server,
+[--deploy-config config/auk-bulk.yaml] [--dtype float8] [--store-behind auto|on|off] [--step-delay S]`` starts a private redis-server, a SeaweedFS S3 server,
 the API and one worker (the process managers of ``auk_dev/local.py``), posts ONE batch of N jobs of
 ``--seconds`` each (same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the
 deploy config's ``max_num_seqs``, and waits until the batch is done. ``--dtype`` runs API and worker on a copy of
@@ -11,7 +11,11 @@ the deploy config with that stage 1 ``dtype``. It reports:
   job finished) and from enqueue (just before the POST to the last job finished);
 - per-job latency medians: enqueue to finished, and started to finished;
 - how many ``render_batch`` calls the worker made and their sizes, and the medians of where a group task's time
-  went (from its log: the gap between tasks, prepare, render, store).
+  went (from its log: the gap between tasks, prepare, render, store);
+- the pipeline's busy share: seconds in render calls (the worker's ``auk_worker_render_busy_seconds_total``) over
+  the timed batch's wall time, enqueue to done. With ``--store-behind on`` (``AUK_STORE_BEHIND``) the worker stores
+  one group while it renders the next; ``--step-delay`` gives the instant pipeline a render time
+  (``AUK_INSTANT_STEP_DELAY`` seconds a step), as a GPU would take.
 
 Pipelines: ``instant`` (silence, no model: the service's own ceiling), ``tiny`` (the tiny checkpoint, made in a
 temporary directory), ``release`` (``AUK_PIPELINE=random-release``: release-size random weights built by
@@ -66,8 +70,11 @@ def _parse_time(stamp: str) -> float:
 class ServiceUnderTest:
     """redis-server, SeaweedFS, the API and one worker on loopback, in ``workdir``."""
 
-    def __init__(self, workdir: Path, pipeline: str, deploy_config: Path, checkpoint: Path | None) -> None:
+    def __init__(self, workdir: Path, pipeline: str, deploy_config: Path, checkpoint: Path | None,
+                 worker_env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.workdir = workdir
+        self.worker_env = dict(worker_env or {})
+        self.metrics_port = free_port()
         self.redis = RedisServer(workdir / "redis")
         self.s3 = S3Server(workdir / "s3")
         self.pipeline = pipeline
@@ -86,7 +93,8 @@ class ServiceUnderTest:
         if self.checkpoint is not None:
             env["AUK_CHECKPOINT"] = str(self.checkpoint)
         self.api = ApiProcess({**env, "AUK_API_KEYS": API_KEY}, free_port(), self.workdir / "api.log").start()
-        self.worker = WorkerProcess(env, "bench-throughput", self.workdir).start()
+        worker_env = {**env, **self.worker_env, "AUK_METRICS_PORT": str(self.metrics_port)}
+        self.worker = WorkerProcess(worker_env, "bench-throughput", self.workdir).start()
         self.worker.wait_state(self.redis.client(), "ready", timeout=ready_timeout)
         return self
 
@@ -154,6 +162,15 @@ def measure(records: list[JobRecord], enqueued_at: float) -> dict:
     }
 
 
+def render_busy_s(port: int) -> float:
+    """The worker's ``auk_worker_render_busy_seconds_total``."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    match = re.search(r"^auk_worker_render_busy_seconds_total ([0-9.e+-]+)$", text, re.M)
+    if match is None:
+        raise RuntimeError("the worker's metrics have no auk_worker_render_busy_seconds_total")
+    return float(match[1])
+
+
 def render_calls(worker_log: str) -> list[int]:
     """Sizes of the worker's ``render_batch`` calls (one per group task, plus lone re-renders)."""
     return [int(n) for n in re.findall(r"group of (\d+): rendering", worker_log)]
@@ -192,7 +209,10 @@ def run(args: argparse.Namespace) -> dict:
             from auk_worker.tiny.checkpoint import make_tiny_checkpoint
 
             checkpoint = Path(make_tiny_checkpoint(work / "auk-tiny-base", "base"))
-        service = ServiceUnderTest(work, args.pipeline, deploy_config, checkpoint)
+        worker_env = {"AUK_STORE_BEHIND": args.store_behind}
+        if args.step_delay is not None:
+            worker_env["AUK_INSTANT_STEP_DELAY"] = str(args.step_delay)
+        service = ServiceUnderTest(work, args.pipeline, deploy_config, checkpoint, worker_env)
         try:
             service.start(ready_timeout=args.ready_timeout)
             store = JobStore(service.redis.client())
@@ -204,10 +224,14 @@ def run(args: argparse.Namespace) -> dict:
                                service.worker)  # fmt: skip
                 log_before = len(service.worker.log_tail(10_000_000))
                 log.info("timed batch of %d jobs of %.1f s", args.jobs, args.seconds)
+                busy_before = render_busy_s(service.metrics_port)
                 enqueued_at = time.time()
                 batch_id = post_batch(http, args.jobs, args.seconds, args.steps, "job")
                 wait_batch(http, batch_id, args.timeout, service.worker)
+                wall_s = time.time() - enqueued_at
+                busy_s = render_busy_s(service.metrics_port) - busy_before
             result = measure(store.batch_records(batch_id), enqueued_at)
+            result["render_busy"] = {"seconds": round(busy_s, 3), "share_of_wall": round(busy_s / wall_s, 3)}
             timed_log = service.worker.log_tail(10_000_000)[log_before:]
             result["render_batch_calls"] = render_calls(timed_log)
             result["group_phases_ms"] = group_phases(timed_log)
@@ -225,6 +249,8 @@ def run(args: argparse.Namespace) -> dict:
             "steps": args.steps or deploy.defaults.num_inference_steps,
             "guidance_scale": deploy.defaults.guidance_scale,
             "warmup_jobs": warmup,
+            "store_behind": args.store_behind,
+            "instant_step_delay_s": args.step_delay,
             "path": "POST /v1/batches -> auk.render_group tasks -> 1 solo worker -> SeaweedFS",
         },
         **result,
@@ -247,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for a batch")
     parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds to wait for the worker")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+    parser.add_argument("--store-behind", choices=("auto", "on", "off"), default="auto",
+                        help="AUK_STORE_BEHIND of the worker (default auto: on for a group config)")
+    parser.add_argument("--step-delay", type=float, default=None,
+                        help="instant pipeline: seconds a DiT step takes (AUK_INSTANT_STEP_DELAY)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
@@ -254,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     result = run(args)
     name = f"throughput-{args.dtype}" if args.dtype and args.dtype != "auto" else "throughput"
+    name += f"-{args.pipeline}-store-behind-{args.store_behind}"
     path = write_result(name, result, args.out)
     print(
         f"throughput ({args.pipeline}, {result['jobs']} x {args.seconds:g} s, max_num_seqs "
@@ -261,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['jobs_per_s']:.2f} jobs/s over the render window; {result['audio_s_per_s_from_enqueue']:.2f} "
         f"audio s / s from enqueue; median latency {result['latency_s']['enqueue_to_finished_median']:.2f} s; "
         f"render_batch calls {result['render_batch_calls']}; median group phases (ms) {result['group_phases_ms']}; "
+        f"pipeline busy {result['render_busy']['share_of_wall']:.0%} of the wall time; "
         f"written to {path}"
     )
     return 0

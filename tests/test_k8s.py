@@ -28,6 +28,7 @@ from auk_worker.deploy import load_deploy_config
 from auk_worker.service.connect import settings as settings_module
 from api.responses import BacklogView, QueueBacklog
 from auk_worker.service.queues.backlog import PRIORITIES as BACKLOG_PRIORITIES
+from auk_worker.service.worker.board import tasks_at_once
 from auk_worker.service.worker.stopping import RELEASE_S
 from auk_worker.service.connect.settings import Settings
 
@@ -501,20 +502,25 @@ def test_keda_scales_every_pool_on_its_backlog(rendered, target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_bulk_queue_depth_covers_every_worker_taking_bulk_work(rendered, target: str) -> None:
     """The feeder keeps AUK_BULK_QUEUE_DEPTH bulk tasks released per variant; a worker finding none released waits
-    for the next feed even with thousands staged, so the depth must cover every worker consuming auk.base.bulk:
-    the bulk pool and the interactive pool (which takes bulk work when idle), at their largest."""
+    for the next feed even with thousands staged, so the depth must cover every task the workers consuming
+    auk.base.bulk hold at once: the bulk pool (two tasks a worker: it stores one group while it renders the next)
+    and the interactive pool (which takes bulk work when idle), at their largest."""
     docs = rendered[target]
     largest = {obj["spec"]["scaleTargetRef"]["name"]: obj["spec"]["maxReplicaCount"]
                for obj in of_kind(docs, "ScaledObject")}  # fmt: skip
     takers = 0
     for deployment, container in containers(docs, "worker"):
-        if effective_env(docs, container)["AUK_VARIANT"] == "base":
+        env = effective_env(docs, container)
+        if env["AUK_VARIANT"] == "base":
             name = deployment["metadata"]["name"]
-            takers += largest.get(name, deployment["spec"].get("replicas", 1))
+            settings = Settings.from_env(env)
+            deploy = load_deploy_config(REPO / "config" / Path(env["AUK_DEPLOY_CONFIG"]).name)
+            each = tasks_at_once(settings.store_behind, deploy.dit.max_num_seqs)
+            takers += each * largest.get(name, deployment["spec"].get("replicas", 1))
     depths = {Settings.from_env(effective_env(docs, c)).bulk_queue_depth
               for _, c in [*containers(docs, "worker"), *containers(docs, "api")]}  # fmt: skip
     assert len(depths) == 1, f"{target}: processes disagree on AUK_BULK_QUEUE_DEPTH: {depths}"
-    assert depths.pop() >= takers, f"{target}: depth below the {takers} workers taking base bulk work"
+    assert depths.pop() >= takers, f"{target}: depth below the {takers} tasks workers taking base bulk work hold"
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -150,6 +150,7 @@ def test_metrics_of_the_api_and_the_worker_move_with_the_jobs(ops: Ops) -> None:
         assert moved(worker1, worker0, "auk_worker_stage_seconds_count", stage=stage) == 4
     # 4 steps of STEP_DELAY each: every render took at least that long, and the histogram's sum says so.
     assert moved(worker1, worker0, "auk_worker_stage_seconds_sum", stage="render") >= 4 * 4 * STEP_DELAY
+    assert moved(worker1, worker0, "auk_worker_render_busy_seconds_total") >= 4 * 4 * STEP_DELAY
     assert moved(worker1, worker0, "auk_worker_job_seconds_count") == 4
     assert moved(api1, api0, "auk_api_requests_total", method="POST", route="/v1/jobs", status="202") == 5
     assert moved(api1, api0, "auk_api_requests_total", method="POST", route="/v1/jobs/{job_id}/cancel",

@@ -27,6 +27,8 @@ VARIANTS = ("base", "flash")
 PIPELINES = ("auk", "instant", "random-release")
 # AUK_VARIANT_CHECK: when the API refuses a job whose variant no live worker serves (api/submit.py).
 VARIANT_CHECKS = ("live", "strict", "off")
+# AUK_STORE_BEHIND: a worker stores one group while it renders the next (worker/board.py); auto: for group configs.
+STORE_BEHIND = ("auto", "on", "off")
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -232,6 +234,7 @@ class Settings:
     # job back to the queue (an operator stop, not a crash: stopping.py). Keep the supervisor's wait before SIGKILL
     # (Kubernetes' terminationGracePeriodSeconds) above it by stopping.RELEASE_S and some.
     stop_grace_s: float = 30.0
+    store_behind: str = "auto"  # AUK_STORE_BEHIND: auto, on or off (worker/board.py)
     cache_dir: Path | None = None  # AUK_CACHE_DIR: torch's and Triton's compile caches, shared across starts
     variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
     # A job waits this long for storage (its clip, its upload) before it fails with ``storage_unavailable``; the
@@ -316,6 +319,7 @@ class Settings:
             worker_id=worker_id_or_none(_get(env, "AUK_WORKER_ID")),
             stall_timeout=_int(env, "AUK_STALL_TIMEOUT", 120, minimum=10),
             stop_grace_s=_float(env, "AUK_STOP_GRACE", 30.0, minimum=0),
+            store_behind=_choice(env, "AUK_STORE_BEHIND", STORE_BEHIND, "auto"),
             cache_dir=Path(cache_dir) if (cache_dir := _get(env, "AUK_CACHE_DIR")) else None,
             variant_check=_choice(env, "AUK_VARIANT_CHECK", VARIANT_CHECKS, "live"),
             storage_retry_deadline_s=_positive(env, "AUK_STORAGE_RETRY_DEADLINE", 1800.0),

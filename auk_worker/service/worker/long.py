@@ -119,5 +119,4 @@ def _clear_segments(store: SegmentStore, job_id: str) -> None:
 
 def _group_size(pipeline: Pipeline) -> int:
     """Segments per render_batch call: the deploy config's stage 1 ``max_num_seqs`` (one DiT pass's rows)."""
-    deploy = getattr(pipeline, "deploy", None)
-    return max(1, int(getattr(getattr(deploy, "dit", None), "max_num_seqs", 1) or 1))
+    return max(1, pipeline.deploy.dit.max_num_seqs)

@@ -5,9 +5,11 @@ process (nothing forks after CUDA is initialised), and only then does the consum
 ``ready`` once Celery is consuming. A pipeline that fails to load leaves the heartbeat at ``failed`` with the
 error, and the process exits with status 1.
 
-**One render at a time, off the consumer's thread.** Celery's threads pool with concurrency 1 and prefetch 1: the
-consumer's event loop stays in the main thread (it answers ``inspect ping`` and remote control, sends the
-``worker-heartbeat`` events Flower counts a worker online by, and handles signals) while one pool thread renders.
+**One render at a time, off the consumer's thread.** Celery's threads pool with prefetch 1 a slot: the consumer's
+event loop stays in the main thread (it answers ``inspect ping`` and remote control, sends the ``worker-heartbeat``
+events Flower counts a worker online by, and handles signals) while a pool thread renders. One slot, or two with
+store-behind (``board.py``: a group's uploads and records overlap the next group's render; the pipeline still
+renders one call at a time).
 The task's ``task-started`` event goes out as that thread takes the task. The pipeline was loaded (and its CUDA
 graphs captured, its kernels compiled) in the main thread; the render thread pins the pipeline's CUDA device first
 (the current device is per thread). Celery's time limits need the prefork pool and are not used.
@@ -49,6 +51,7 @@ from auk_worker.service.worker.caches import use_compile_caches
 from auk_worker.service.queues.celery_app import RENDER_TASK, make_celery, worker_queues
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK
 from auk_worker.service.queues.fairshare import FairShare, Feeder
+from auk_worker.service.worker.board import OneRender, tasks_at_once
 from auk_worker.service.worker.heartbeat import Heartbeat
 from auk_worker.service.records.store import JobStore
 from auk_worker.service.delivery.notify import Notifier
@@ -226,9 +229,12 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     voice_cache = VoiceCache(settings.voice_cache_bytes)
     pipeline.voice_cache = voice_cache  # the pipeline keeps a voice's prepared pieces in the same cache
     stop = GracefulStop(records, heartbeat.holder, variant, _sender(app), settings.stop_grace_s, worker_id)
-    runtime = RenderRuntime(settings, pipeline, records, storage, heartbeat, barrier=barrier,
-                            holder=heartbeat.holder, replies=ReplySender.from_settings(settings),
-                            notifier=notifier, voice_cache=voice_cache, stop=stop)  # fmt: skip
+    at_once = tasks_at_once(settings.store_behind, pipeline.deploy.dit.max_num_seqs)
+    metrics = WorkerMetrics()
+    runtime = RenderRuntime(settings, OneRender(pipeline, on_turn=metrics.render_busy.inc), records, storage,
+                            heartbeat, barrier=barrier, holder=heartbeat.holder,
+                            replies=ReplySender.from_settings(settings), notifier=notifier, voice_cache=voice_cache,
+                            stop=stop, metrics=metrics)  # fmt: skip
     _serve_metrics(runtime.metrics, settings, pipeline, client, heartbeat, worker_id)
     register(app, runtime)
     feeder = Feeder(FairShare(client, settings.bulk_queue_depth), _sender(app)).start()
@@ -236,7 +242,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
 
     def on_ready(**_: object) -> None:
         heartbeat.set("ready")
-        log.info("worker %s: ready, consuming %s", worker_id, ", ".join(worker_queues(variant)))
+        log.info("worker %s: ready, consuming %s%s", worker_id, ", ".join(worker_queues(variant)),
+                 "; stores one group while it renders the next" if at_once > 1 else "")  # fmt: skip
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(lambda how="Warm", **_: stop.requested(how), weak=False)
@@ -257,8 +264,8 @@ def run_worker(settings: Settings, deploy=None, *, worker_id: str | None = None,
     worker = app.Worker(
         hostname=f"auk@{worker_id}",
         queues=worker_queues(variant),
-        pool_cls="threads",  # one render thread; the consumer keeps the main thread (see the module docstring)
-        concurrency=1,
+        pool_cls="threads",  # render threads; the consumer keeps the main thread (see the module docstring)
+        concurrency=at_once,  # 2 with store-behind: one task stores while the next renders (board.py)
         prefetch_multiplier=1,
         loglevel=loglevel,
         without_gossip=True,

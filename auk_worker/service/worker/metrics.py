@@ -8,12 +8,14 @@ Worker (an HTTP server on ``AUK_METRICS_PORT``, in the process that renders):
 - ``auk_worker_stage_seconds{stage}``: histogram per stage: ``fetch`` (record and clip), ``render`` (the pipeline
   call), ``upload`` (WAV and record), and the pipeline's own stages (``encode``, ``vae_encode``, ``dit``, ``decode``);
 - ``auk_worker_job_seconds``: histogram of a job's time from its start to its recorded success;
+- ``auk_worker_render_busy_seconds_total``: seconds the pipeline spent in render calls (one at a time): over a
+  window, its rate is the share of the worker's time the GPU had work;
 - ``auk_worker_model_load_seconds``, ``auk_worker_warmup_seconds``: what loading and warming up the pipeline took;
 - ``auk_worker_gpu_memory_bytes{device, kind}``: ``allocated`` and ``reserved`` by torch, on a CUDA worker;
 - ``auk_worker_heartbeat_age_seconds``: how old the heartbeat in Redis is (what the API's readiness sees);
 - ``auk_worker_info{worker, variant, pipeline}``: 1.
 
-The worker runs Celery's solo pool, so the process that renders is the process that serves the metrics: the
+The worker runs Celery's threads pool, so the process that renders is the process that serves the metrics: the
 counters need no multiprocess mode. (A prefork pool would render in a child while a server in the parent saw
 nothing; that is why the server starts in the rendering process, after the pipeline has loaded.)
 """
@@ -49,6 +51,8 @@ class WorkerMetrics:
                                 buckets=STAGE_BUCKETS, registry=r)  # fmt: skip
         self.job_seconds = Histogram("auk_worker_job_seconds", "Seconds from a job's start to its recorded success",
                                      buckets=STAGE_BUCKETS, registry=r)  # fmt: skip
+        self.render_busy = Counter("auk_worker_render_busy_seconds", "Seconds the pipeline spent rendering",
+                                   registry=r)  # fmt: skip
         self.model_load = Gauge("auk_worker_model_load_seconds", "Seconds the pipeline took to load", registry=r)
         self.warmup = Gauge("auk_worker_warmup_seconds", "Seconds the pipeline took to warm up", registry=r)
         self.info = Gauge("auk_worker_info", "This worker", ["worker", "variant", "pipeline"], registry=r)

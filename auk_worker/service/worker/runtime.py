@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import redis
 
+from auk_worker.deploy import DeployConfig
 from auk_worker.errors import AuKError, Canceled
 from auk_worker.service.connect.redis import RedisFailedOver, ReplicationBarrier
 from auk_worker.service.connect.settings import Settings
@@ -20,6 +21,7 @@ from auk_worker.service.connect.storage import Storage
 from auk_worker.service.delivery.notify import Notifier
 from auk_worker.service.delivery.replies import ReplySender
 from auk_worker.service.records.store import JobStore
+from auk_worker.service.worker.board import TaskBoard
 from auk_worker.service.worker.heartbeat import Heartbeat
 from auk_worker.service.worker.metrics import WorkerMetrics
 from auk_worker.service.worker.stopping import GracefulStop
@@ -33,6 +35,7 @@ class Pipeline(Protocol):
     """What the worker calls: the real ``AuKPipeline``, the instant fake or the random release-size one."""
 
     variant: str
+    deploy: DeployConfig  # what it was loaded with: defaults, group size (stage 1 max_num_seqs)
     model_hashes: dict[str, str]
     startup: dict[str, float]  # seconds: "load", "warm_up"
     voice_cache: VoiceCache | None  # prepared reference clips by content key; the worker sets it
@@ -59,6 +62,23 @@ class RenderRuntime:
     last_task_end: float | None = None  # perf_counter when the previous task returned (the idle time between)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # served on AUK_METRICS_PORT when set
     stop: GracefulStop | None = None  # the worker's stop: past its grace, a render stops and its job is released
+    board: TaskBoard = field(init=False)  # the running tasks' jobs, shown to the heartbeat and the stop watch
+
+    def __post_init__(self) -> None:
+        self.board = TaskBoard(self._show_held)
+
+    def _show_held(self, jobs: list[str]) -> None:
+        """The heartbeat and the stop watch see every job the running tasks hold (``TaskBoard``)."""
+        if self.stop is not None:
+            if jobs:
+                self.stop.task_started(jobs)
+            else:
+                self.stop.task_ended()
+        if self.heartbeat is not None:
+            if jobs:
+                self.heartbeat.set("busy", ",".join(jobs))
+            else:
+                self.heartbeat.set("ready")
 
 
 def on_current_master(rt: RenderRuntime, what: str, write: Callable[[], Any]) -> Any:

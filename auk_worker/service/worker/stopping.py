@@ -72,9 +72,11 @@ class GracefulStop:
     # ------------------------------------------------------------------------------------------ render thread
 
     def task_started(self, job_ids: list[str]) -> None:
+        """The jobs the running tasks hold now (every job of both tasks with store-behind: ``board.py``)."""
         with self._lock:
             self._jobs = list(job_ids)
-            self._task_started = time.monotonic()
+            if self._idle.is_set():  # the first task since idle; a second one joining keeps the first's start
+                self._task_started = time.monotonic()
             self._idle.clear()
             grace, self._grace_left = self._grace_left, None
         if grace is not None:  # the stop came as this task was handed over: it is watched like any other

@@ -38,8 +38,11 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     @app.task(name=RENDER_TASK, bind=True, acks_late=True, ignore_result=True, max_retries=settings.retry_max)
     def render(self: Task, job_id: str) -> None:
         started = time.perf_counter()
-        _busy(runtime, [job_id])
+        token, mine = runtime.board.started([job_id])
         try:
+            if not mine:
+                _dropped(runtime, [job_id])
+                return
             with job_context(job_id):
                 render_job(runtime, job_id)
         except Exception as exc:  # noqa: BLE001 - the process boundary: every job ends with a record
@@ -47,7 +50,7 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
                 if outcome.settle(runtime, job_id, exc):
                     _retry_or_fail(self, runtime, {job_id: exc}, lambda ids: [ids[0]])
         finally:
-            _ready(runtime)
+            runtime.board.ended(token)
             log.debug("job %s: task took %.1f ms", job_id, (time.perf_counter() - started) * 1000)
             runtime.last_task_end = time.perf_counter()
 
@@ -57,13 +60,14 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
         if runtime.last_task_end is not None:  # Celery's share: ack, fetch and hand over the next message
             log.info("group of %d: %.1f ms since the previous task returned", len(job_ids),
                      (started - runtime.last_task_end) * 1000)  # fmt: skip
-        _busy(runtime, job_ids)
+        token, mine = runtime.board.started(job_ids)
+        _dropped(runtime, [job_id for job_id in job_ids if job_id not in mine])
         try:
-            retry = render_group(runtime, job_ids)
+            retry = render_group(runtime, mine) if mine else {}
         except (redis.ConnectionError, redis.TimeoutError) as exc:  # Redis went away between jobs: all again
-            retry = {job_id: exc for job_id in job_ids}
+            retry = {job_id: exc for job_id in mine}
         finally:
-            _ready(runtime)
+            runtime.board.ended(token)
         log.debug("group of %d: task took %.1f ms", len(job_ids), (time.perf_counter() - started) * 1000)
         try:
             if retry:  # only the jobs an infrastructure error stopped, as a smaller group; finished ones stay done
@@ -74,18 +78,11 @@ def register(app: Celery, runtime: RenderRuntime) -> tuple[Task, Task]:
     return render, render_group_task
 
 
-def _busy(rt: RenderRuntime, job_ids: list[str]) -> None:
-    if rt.stop is not None:
-        rt.stop.task_started(job_ids)
-    if rt.heartbeat is not None:
-        rt.heartbeat.set("busy", ",".join(job_ids))
-
-
-def _ready(rt: RenderRuntime) -> None:
-    if rt.heartbeat is not None:
-        rt.heartbeat.set("ready")
-    if rt.stop is not None:
-        rt.stop.task_ended()
+def _dropped(rt: RenderRuntime, job_ids: list[str]) -> None:
+    """Deliveries of jobs this worker's other task is working on: that task settles them (``board.py``)."""
+    for job_id in job_ids:
+        log.info("job %s: this worker's other task holds it; this delivery is dropped", job_id)
+        rt.metrics.outcome("skipped")
 
 
 def _retry_or_fail(task: Task, rt: RenderRuntime, stopped: dict[str, Exception], args_for: Any) -> None:
