@@ -34,7 +34,6 @@ from auk_worker.service.ops import retention
 from api.metrics import ApiMetrics, RequestMetricsMiddleware
 from auk_worker.service.connect.redis import async_redis_client
 from auk_worker.service.connect.settings import Settings
-from auk_worker.voice_catalogue import load_catalogue
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,6 @@ def create_app(settings: Settings) -> FastAPI:
         generate_unique_id_function=operation_id,
     )
     app.state.services = built
-    load_catalogue(settings.voices_file)  # the built-in voices, read strictly now: a bad file stops the API at start-up
     app.state.keyring = KeyRing(settings.api_keys)
     app.state.links = LinkSigner(settings)
     install_error_handlers(app)

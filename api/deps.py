@@ -29,6 +29,7 @@ from auk_worker.service.delivery.webhooks.dispatch import WebhookDispatcher
 from auk_worker.service.delivery.webhooks.store import RetryPolicy, WebhookSecrets, WebhookStore
 from auk_worker.service.records.jobs import owner_id
 from auk_worker.urlguard import UrlGuard, UrlPolicy
+from auk_worker.voice_catalogue import VoiceCatalogue, load_catalogue
 
 REDIS_TIMEOUT_S = 5.0
 
@@ -50,6 +51,7 @@ class Services:
     webhook_guard: UrlGuard
     barrier: ReplicationBarrier  # run before a 202: the job's writes are on the current master and its replicas
     voices: VoiceStore
+    catalogue: VoiceCatalogue  # the built-in voices (AUK_VOICES_FILE), read strictly when the app is built
     replies: ReplyWaiter  # the speech endpoint's wait for its audio (binary, asyncio)
     fair: FairShare
     audit: CachedAudit  # queued jobs with no message, the oldest queued job's age (/readyz, /metrics)
@@ -60,7 +62,8 @@ class Services:
 
 
 def build_services(settings: Settings) -> Services:
-    """Every client over ``settings``; nothing connects until it is first used."""
+    """Every client over ``settings``; nothing connects until it is first used. The built-in voices are read now:
+    a bad voices file stops the API at start-up."""
     client = redis_client(settings, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
     storage = Storage(settings)
     notifier = Notifier(WebhookStore(client), storage, settings.presign_seconds)
@@ -81,6 +84,7 @@ def build_services(settings: Settings) -> Services:
         webhook_guard=UrlGuard(UrlPolicy.parse(settings.webhook_allow)),
         barrier=ReplicationBarrier.from_settings(client, settings),
         voices=VoiceStore(client),
+        catalogue=load_catalogue(settings.voices_file),
         replies=ReplyWaiter.from_settings(settings),
         fair=FairShare(client, settings.bulk_queue_depth),
         audit=CachedAudit(client, [owner_id(key) for key in settings.api_keys]),

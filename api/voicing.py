@@ -32,7 +32,7 @@ from auk_worker.errors import InputError
 from auk_worker.longform.duration import Estimator, check_agreement, check_speed, language_code
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.records.voices import VOICE_PREFIX, Voice
-from auk_worker.voice_catalogue import NamedVoice, load_catalogue
+from auk_worker.voice_catalogue import NamedVoice
 
 MAX_OWN_VOICES = 1000  # a key's voices searched by name
 TEXT_FIELDS = ("instructions", "speed", "language", "ref_text")
@@ -44,7 +44,7 @@ class VoiceBook:
     def __init__(self, svc: Services, owner: str) -> None:
         self.svc = svc
         self.owner = owner
-        self.catalogue = load_catalogue(svc.settings.voices_file)
+        self.catalogue = svc.catalogue
         self._found: dict[str, NamedVoice | Voice] = {}
         self._own: dict[str, Voice] | None = None
 

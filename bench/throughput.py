@@ -1,10 +1,11 @@
 """Overnight throughput: one batch of N base instruct-TTS jobs through the real service, timed end to end.
 
 ``python -m bench.throughput [--jobs N] [--seconds 6] [--pipeline tiny|instant|release]
-[--deploy-config config/auk-bulk.yaml] [--dtype float8] [--store-behind auto|on|off] [--step-delay S]`` starts a private redis-server, a SeaweedFS S3 server,
-the API and one worker (the process managers of ``auk_dev/local.py``), posts ONE batch of N jobs of
-``--seconds`` each (same schedule) to ``POST /v1/batches``, which cuts it into ``auk.render_group`` tasks of the
-deploy config's ``max_num_seqs``, and waits until the batch is done. ``--dtype`` runs API and worker on a copy of
+[--deploy-config config/auk-bulk.yaml] [--dtype float8] [--store-behind auto|on|off] [--step-delay S]`` starts a
+private redis-server, a SeaweedFS S3 server, the API and one worker (the process managers of
+``auk_dev/local.py``), posts ONE batch of N jobs of ``--seconds`` each (same schedule) to ``POST /v1/batches``,
+which cuts it into ``auk.render_group`` tasks of the deploy config's ``max_num_seqs``, and waits until the batch
+is done. ``--dtype`` runs API and worker on a copy of
 the deploy config with that stage 1 ``dtype``. It reports:
 
 - audio seconds rendered per wall second and jobs per second, over the render window (first job started to last
@@ -43,6 +44,7 @@ import httpx
 import yaml
 
 from auk_worker.deploy import DiTDtype, load_deploy_config
+from auk_worker.service.connect.settings import STORE_BEHIND
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.store import JobStore
 from auk_dev.local import (
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
             "warmup_jobs": warmup,
             "store_behind": args.store_behind,
             "instant_step_delay_s": args.step_delay,
-            "path": "POST /v1/batches -> auk.render_group tasks -> 1 solo worker -> SeaweedFS",
+            "path": "POST /v1/batches -> auk.render_group tasks -> 1 worker -> SeaweedFS",
         },
         **result,
         "target_audio_s_per_s": TARGET_AUDIO_S_PER_S,
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for a batch")
     parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds to wait for the worker")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
-    parser.add_argument("--store-behind", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--store-behind", choices=STORE_BEHIND, default="auto",
                         help="AUK_STORE_BEHIND of the worker (default auto: on for a group config)")
     parser.add_argument("--step-delay", type=float, default=None,
                         help="instant pipeline: seconds a DiT step takes (AUK_INSTANT_STEP_DELAY)")

@@ -34,7 +34,7 @@ from auk_worker.errors import InputError, NotFound, UnsupportedMediaType
 from auk_worker.service.records.jobs import utc_now
 from auk_worker.service.records.objects import voice_key
 from auk_worker.service.records.voices import Voice, new_voice_id
-from auk_worker.voice_catalogue import MAX_DESCRIPTION_CHARS, load_catalogue
+from auk_worker.voice_catalogue import MAX_DESCRIPTION_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _describe_voice(svc: Services, owner: str, body: dict) -> dict:
     elif rules.SEED.problem(seed) is not None:
         raise InputError(f"seed {rules.SEED.problem(seed)}, got {seed!r}")
     name = _name(body.get("name"))
-    if load_catalogue(svc.settings.voices_file).get(name) is not None:
+    if svc.catalogue.get(name) is not None:
         raise InputError(f"name: {name!r} is a built-in voice's name; choose another")
     voice = Voice(voice_id=new_voice_id(), owner=owner, name=name, key="", sha256="", duration_s=0.0,
                   sample_rate=0, samples=0, channels=0, created_at=utc_now(), description=description.strip(),
@@ -170,7 +170,7 @@ def _store_voice(svc: Services, owner: str, data: bytes, content_type: str, name
 def list_voices(owner: str = Depends(caller), svc: Services = Depends(services),
                 limit: Annotated[int, Query(ge=1, le=500)] = 100) -> dict:  # fmt: skip
     return {"object": "list", "data": [voice.public() for voice in svc.voices.list(owner, limit=limit)],
-            "builtin": [voice.public() for voice in load_catalogue(svc.settings.voices_file).voices.values()]}  # fmt: skip
+            "builtin": [voice.public() for voice in svc.catalogue.voices.values()]}  # fmt: skip
 
 
 @router.get("/voices/{voice_id}", summary="Read one voice", **documented(VoiceOut, 404, 422))
