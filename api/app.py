@@ -30,7 +30,8 @@ from api.routes import (audio, backlog, batch_page, batches, health, jobs, metri
 from auk_worker.errors import InfraError
 from auk_worker.service.queues.fairshare import Feeder
 from api.quotas import RateLimiter
-from auk_worker.service.ops import retention
+from auk_worker.service.ops import resend, retention
+from auk_worker.service.ops.resend import Resender
 from api.metrics import ApiMetrics, RequestMetricsMiddleware
 from auk_worker.service.connect.redis import async_redis_client
 from auk_worker.service.connect.settings import Settings
@@ -57,9 +58,11 @@ def create_app(settings: Settings) -> FastAPI:
         dispatcher = start_dispatcher(built)
         feeder = Feeder(built.fair, built.send).start()  # bulk tasks move while any API or worker is up
         _, stop_sweeper = retention.start_background(settings, built.store, built.storage)
+        stop_resender = resend.start_background(Resender(built.store, built.audit.owners, built.send))
         try:
             yield
         finally:
+            stop_resender.set()
             stop_sweeper.set()
             feeder.stop()
             if dispatcher is not None:

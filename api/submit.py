@@ -32,6 +32,7 @@ from collections.abc import Callable
 import time
 from typing import Any
 
+import kombu.exceptions
 import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -49,6 +50,7 @@ from auk_worker.service.records.workers import live_variants, read_heartbeats
 from auk_worker.service.records.jobs import JobRecord
 from api.quotas import check_queued_jobs
 from auk_worker.service.records.requests import JobRequest
+from auk_worker.service.connect.redis import RedisFailedOver
 from auk_worker.service.connect.storage import error_code
 from auk_worker.service.records.objects import input_object
 from auk_worker.types import FRAME_RATE
@@ -56,6 +58,12 @@ from auk_worker.types import FRAME_RATE
 log = logging.getLogger(__name__)
 
 MAX_REPORTED_LINES = 100  # a 10 000-line file of bad lines answers with the first hundred
+# A job's send is tried again for this long while the broker refuses it: a Sentinel failover names a new master in a
+# few seconds past the sentinels' down-after time. Past it the request answers 503 and the caller retries.
+SEND_WINDOW_S = 15.0
+SEND_FIRST_DELAY_S = 0.1
+SEND_MAX_DELAY_S = 1.0
+SEND_ERRORS = (kombu.exceptions.OperationalError, redis.RedisError, OSError)  # what a broker away raises
 
 ClipSource = Callable[[JobRequest], "dict[str, Any] | None"]  # a request -> its resolved clip (ClipResolver.resolve)
 
@@ -268,13 +276,47 @@ def _same_request(existing: JobRecord, request: JobRequest, idempotency_key: str
 
 
 def send_render(svc: Services, record: JobRecord) -> None:
-    """Send the task for a written record; when the broker refuses, the record fails instead of idling forever."""
+    """Send the task for a written record.
+
+    A broker that refuses the connection is most often a Redis master going away, with the sentinels about to name
+    another: the send is tried again for ``SEND_WINDOW_S``. A send that got through only on a later try may have
+    reached a new master that never had the record (written to the old one a moment before it died), so the record
+    is looked for there: gone, the request answers 503 ``redis_failover`` and the caller's retry, under the same
+    ``Idempotency-Key``, makes the job again (the message sent meanwhile meets no record and is dropped). When the
+    window passes, the record fails instead of idling forever, and the request answers 503."""
+    deadline = time.monotonic() + SEND_WINDOW_S
+    delay, tries = SEND_FIRST_DELAY_S, 0
+    while True:
+        tries += 1
+        try:
+            svc.celery.send_task(RENDER_TASK, args=[record.id], queue=record.queue)
+            break
+        except SEND_ERRORS as exc:
+            if time.monotonic() + delay > deadline:
+                message = f"the job could not be enqueued: {exc}"
+                try:
+                    svc.store.fail(record.id, InfraError.code, message)
+                except redis.RedisError as fail_exc:
+                    log.error("job %s: could not record its failure to enqueue: %s", record.id, fail_exc)
+                raise InfraError(message) from exc
+            log.warning("job %s: send %d refused (%s); trying again in %.1f s", record.id, tries, exc, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, SEND_MAX_DELAY_S)
+    if tries > 1:
+        _require_record_after_retry(svc, record.id)
+
+
+def _require_record_after_retry(svc: Services, job_id: str) -> None:
+    """After a send that needed more than one try: the record must be on the master the send reached."""
     try:
-        svc.celery.send_task(RENDER_TASK, args=[record.id], queue=record.queue)
-    except Exception as exc:  # the broker's connection errors vary by transport; the boundary is here
-        message = f"the job could not be enqueued: {exc}"
-        svc.store.fail(record.id, InfraError.code, message)
-        raise InfraError(message) from exc
+        found = svc.store.get(job_id) is not None
+    except redis.RedisError as exc:
+        raise InfraError(f"job {job_id} was sent but its record could not be read back ({exc}); try again with "
+                         "the same Idempotency-Key") from exc  # fmt: skip
+    if not found:
+        log.error("job %s: its record was lost with a failed-over Redis master", job_id)
+        raise RedisFailedOver(f"Redis failed over while job {job_id} was written and it was lost; try again (with "
+                              "the same Idempotency-Key)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- a batch

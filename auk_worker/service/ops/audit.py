@@ -2,18 +2,18 @@
 age. Read by the API's ``/metrics`` (``auk_jobs_queued_without_message``, ``auk_jobs_oldest_queued_age_seconds``)
 and its ``/readyz`` (``queue``).
 
-A job whose message is gone stays ``queued`` for ever (the window the atomic fetch closed, ``fetch.py``; a failover
-that kept the record but not the message, with asynchronous replication; a bug yet unknown), and so it becomes one
-of the oldest queued jobs. The audit therefore looks only at the oldest ones, at a cost that does not grow with the
+A job whose message is gone stays ``queued`` (the window the atomic fetch closed, ``fetch.py``; a failover that kept
+the record but not the message, with asynchronous replication; a bug yet unknown) until ``resend.py`` sends it
+again from what this audit finds, and so it becomes one of the oldest queued jobs. The audit therefore looks only at the oldest ones, at a cost that does not grow with the
 backlog:
 
 1. the ``OLDEST`` oldest queued jobs across the owners (``ZRANGE`` of each owner's ``status:queued`` index, scored
    by creation time);
 2. those queued for more than ``GRACE_S`` are looked for, in one ``MULTI`` snapshot, among the ``DEPTH`` oldest
    messages of every queue (the lists are first in, first out, so an old job's message sits near their oldest
-   end), every delivered and unacknowledged message (``unacked``: the workers' fetches and retries), and the
-   ``DEPTH`` first tasks staged for each owner in the bulk queues (``fairshare.py``). A message names its jobs in
-   its ``argsrepr`` header; a staged task in its arguments;
+   end), every delivered and unacknowledged message (``unacked``: the workers' fetches and retries), the
+   ``DEPTH`` first tasks staged for each owner in the bulk queues and the feeder's releases not yet confirmed sent
+   (``fairshare.py``). A message names its jobs in its ``argsrepr`` header; a staged task in its arguments;
 3. one not found whose record still says ``queued`` after the snapshot has no message.
 
 A job can hide deeper than ``DEPTH`` in a queue only behind more than ``DEPTH`` messages that are older still and
@@ -56,33 +56,51 @@ def audit_queue(client: redis.Redis, owners: Iterable[str], namespace: str = "au
     """One audit (see the module's docstring); ``owners``: the owner ids whose queued jobs are looked at."""
     now = time.time() if now is None else now
     owners = sorted(set(owners))
+    queued = oldest_queued(client, owners, namespace)
+    if not queued:
+        return QueueAudit(0, None, 0)
+    oldest_age = max(0.0, now - queued[0][0])
+    candidates = [job for created, job in queued if now - created > GRACE_S]
+    missing = without_message(client, owners, candidates, namespace)
+    return QueueAudit(len(missing), round(oldest_age, 1), len(queued))
+
+
+def oldest_queued(client: redis.Redis, owners: list[str], namespace: str = "auk") -> list[tuple[float, str]]:
+    """The ``OLDEST`` oldest queued jobs across ``owners``: ``(created, job id)``, oldest first (``ZRANGE`` of each
+    owner's ``status:queued`` index, scored by creation time in milliseconds)."""
     pipe = client.pipeline(transaction=False)
     for owner in owners:
         pipe.zrange(f"{namespace}:owner:{owner}:status:queued", 0, OLDEST - 1, withscores=True)
-    queued = sorted(((score, _text(job)) for rows in pipe.execute() for job, score in rows))[:OLDEST]
-    if not queued:
-        return QueueAudit(0, None, 0)
-    oldest_age = max(0.0, now - queued[0][0] / 1000)
-    candidates = [job for score, job in queued if now - score / 1000 > GRACE_S]
-    missing = sorted(set(candidates) - _jobs_with_messages(client, owners, namespace)) if candidates else []
+    return sorted((score / 1000, _text(job)) for rows in pipe.execute() for job, score in rows)[:OLDEST]
+
+
+def without_message(client: redis.Redis, owners: list[str], jobs: Iterable[str], namespace: str = "auk",
+                    everywhere: bool = False) -> list[str]:  # fmt: skip
+    """Those of ``jobs`` that no message names and whose record still says ``queued`` after the snapshot. The
+    ``DEPTH`` oldest messages of each queue and first tasks of each staged list are read; ``everywhere``: all."""
+    jobs = set(jobs)
+    depth = None if everywhere else DEPTH
+    missing = sorted(jobs - _jobs_with_messages(client, owners, namespace, depth)) if jobs else []
     if missing:  # started (or ended) since the snapshot: not missing
         pipe = client.pipeline(transaction=False)
         for job in missing:
             pipe.hget(f"{namespace}:job:{job}", "status")
         missing = [job for job, status in zip(missing, pipe.execute()) if _text(status or "") == "queued"]
-    return QueueAudit(len(missing), round(oldest_age, 1), len(queued))
+    return missing
 
 
-def _jobs_with_messages(client: redis.Redis, owners: list[str], namespace: str) -> set[str]:
-    """The job ids that the oldest messages, the unacknowledged ones and the first staged tasks name (one MULTI)."""
+def _jobs_with_messages(client: redis.Redis, owners: list[str], namespace: str, depth: int | None) -> set[str]:
+    """The job ids that the oldest messages, the unacknowledged ones, the first staged tasks and the feeder's
+    releases not yet confirmed name (one MULTI); ``depth`` None: every message and staged task."""
     queues = [queue for variant in VARIANTS for queue in worker_queues(variant)]
     pipe = client.pipeline(transaction=True)
     for queue in queues:
-        pipe.lrange(queue, -DEPTH, -1)
+        pipe.lrange(queue, -depth if depth else 0, -1)
     pipe.hvals("unacked")
+    pipe.hkeys(f"{namespace}:bulk:inflight")
     for queue in queues:
         for owner in owners:
-            pipe.lrange(f"{namespace}:bulk:{queue}:owner:{owner}", 0, DEPTH - 1)
+            pipe.lrange(f"{namespace}:bulk:{queue}:owner:{owner}", 0, (depth or 0) - 1)
     found: set[str] = set()
     for rows in pipe.execute():
         for row in rows:
