@@ -36,6 +36,7 @@ from auk_worker.service.connect.settings import VARIANTS
 
 OLDEST = 100  # oldest queued jobs looked at
 DEPTH = 500  # oldest messages read per queue, first tasks per staged list
+DEEP = 10_000  # the same, to confirm that a job is missing before it is sent again (resend.py)
 GRACE_S = 60.0  # a job queued this long should have a message that a worker can see
 CACHE_S = 10.0
 _JOB_ID = re.compile(r"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])")
@@ -75,11 +76,11 @@ def oldest_queued(client: redis.Redis, owners: list[str], namespace: str = "auk"
 
 
 def without_message(client: redis.Redis, owners: list[str], jobs: Iterable[str], namespace: str = "auk",
-                    everywhere: bool = False) -> list[str]:  # fmt: skip
+                    deep: bool = False) -> list[str]:  # fmt: skip
     """Those of ``jobs`` that no message names and whose record still says ``queued`` after the snapshot. The
-    ``DEPTH`` oldest messages of each queue and first tasks of each staged list are read; ``everywhere``: all."""
+    ``DEPTH`` oldest messages of each queue and first tasks of each staged list are read; ``deep``: ``DEEP``."""
     jobs = set(jobs)
-    depth = None if everywhere else DEPTH
+    depth = DEEP if deep else DEPTH
     missing = sorted(jobs - _jobs_with_messages(client, owners, namespace, depth)) if jobs else []
     if missing:  # started (or ended) since the snapshot: not missing
         pipe = client.pipeline(transaction=False)
@@ -89,18 +90,18 @@ def without_message(client: redis.Redis, owners: list[str], jobs: Iterable[str],
     return missing
 
 
-def _jobs_with_messages(client: redis.Redis, owners: list[str], namespace: str, depth: int | None) -> set[str]:
-    """The job ids that the oldest messages, the unacknowledged ones, the first staged tasks and the feeder's
-    releases not yet confirmed name (one MULTI); ``depth`` None: every message and staged task."""
+def _jobs_with_messages(client: redis.Redis, owners: list[str], namespace: str, depth: int) -> set[str]:
+    """The job ids that the ``depth`` oldest messages of each queue, the unacknowledged ones, the ``depth`` first
+    staged tasks of each list and the feeder's releases not yet confirmed name (one MULTI)."""
     queues = [queue for variant in VARIANTS for queue in worker_queues(variant)]
     pipe = client.pipeline(transaction=True)
     for queue in queues:
-        pipe.lrange(queue, -depth if depth else 0, -1)
+        pipe.lrange(queue, -depth, -1)
     pipe.hvals("unacked")
     pipe.hkeys(f"{namespace}:bulk:inflight")
     for queue in queues:
         for owner in owners:
-            pipe.lrange(f"{namespace}:bulk:{queue}:owner:{owner}", 0, (depth or 0) - 1)
+            pipe.lrange(f"{namespace}:bulk:{queue}:owner:{owner}", 0, depth - 1)
     found: set[str] = set()
     for rows in pipe.execute():
         for row in rows:

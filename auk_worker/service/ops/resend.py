@@ -9,14 +9,15 @@ Every ``RESEND_EVERY_S``, one API process (a lock that lasts the period, whichev
 
 1. the audit's candidates: the oldest queued jobs, queued for over ``GRACE_S``, that none of the oldest messages
    names (cheap, bounded);
-2. each confirmed by a full read, in one snapshot, of every queue, the unacknowledged messages, the keys' staged
-   bulk tasks and the feeder's releases in flight, and by its record still saying ``queued`` after it;
+2. each confirmed by a deeper read (``DEEP``: 10,000 entries a list, read only when there is a candidate), in one
+   snapshot, of every queue, the unacknowledged messages, the keys' staged bulk tasks and the feeder's releases in
+   flight, and by its record still saying ``queued`` after it;
 3. a job found missing by two passes in a row (the previous pass's suspects live in ``{ns}:resend:suspects``) is
    sent to its variant's ``recovery`` queue, which workers poll first. Two passes: a message on its way between
    two places at one snapshot is not on its way at the next.
 
-A job sent again that had a message after all still renders once: a worker's start refuses a job that ended or
-that a live holder holds, and the other message is dropped.
+A job sent again that had a message after all (deeper than ``DEEP`` in a list) still renders once: a worker's
+start refuses a job that ended or that a live holder holds, and the other message is dropped.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Resender:
         now = time.time() if now is None else now
         candidates = [job for created, job in queued if now - created > GRACE_S]
         missing = without_message(client, self.owners, candidates, ns)
-        if missing:  # the bounded look found nothing: look everywhere before calling it lost
-            missing = without_message(client, self.owners, missing, ns, everywhere=True)
+        if missing:  # not among the oldest messages: look deeper before calling it lost
+            missing = without_message(client, self.owners, missing, ns, deep=True)
         suspected = set(client.smembers(self.suspects_key))
         due = [job for job in missing if job in suspected]
         pipe = client.pipeline(transaction=True)
