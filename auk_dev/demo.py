@@ -399,7 +399,8 @@ def _running(child) -> int | None:
 
 def _stopped(name: str, child) -> None:
     code = child.proc.returncode
-    how = "killed (SIGKILL)" if code == -9 else f"exit status {code}"
+    # uvicorn shuts down on SIGTERM and then raises the signal again, so a clean stop of the API ends as -15
+    how = {-9: "killed (SIGKILL)", -15: "shut down on SIGTERM"}.get(code, f"exit status {code}")
     say(f"  {name} stopped ({how})")
 
 
