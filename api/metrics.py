@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from auk_worker.service.connect.settings import VARIANTS
 from auk_worker.service.ops.audit import CachedAudit
+from auk_worker.service.ops.resend import RESENT
 from auk_worker.service.queues.backlog import Backlog
 from auk_worker.service.queues.celery_app import worker_queues
 from auk_worker.service.records.workers import STATES as WORKER_STATES
@@ -96,6 +97,8 @@ class _ServiceState(Collector):
                                 value=unacked)  # fmt: skip
         submitted = int(stats.get("submitted", 0))
         yield CounterMetricFamily("auk_jobs_submitted", "Jobs submitted", value=submitted)
+        yield CounterMetricFamily("auk_jobs_resent", "Queued jobs sent again because no message named them "
+                                  "(ops/resend.py)", value=int(stats.get(RESENT, 0)))  # fmt: skip
         finished = CounterMetricFamily("auk_jobs_finished", "Jobs finished, by status", labels=["status"])
         done = 0
         for status in ("succeeded", "failed", "canceled"):

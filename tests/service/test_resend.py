@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client import generate_latest
+
+from api.metrics import ApiMetrics
 from auk_worker.service.ops import audit, resend
 from auk_worker.service.ops.resend import Resender
 from auk_worker.service.queues.celery_app import RECOVERY, RENDER_TASK, make_celery, queue_name
@@ -50,6 +53,8 @@ def test_a_job_with_no_message_is_sent_again_by_the_second_pass_and_renders_once
     assert sent == [(RENDER_TASK, [lost.id], queue_name("base", RECOVERY))]
     assert redis_client.smembers(resender.suspects_key) == set()
     assert resender.pass_once() == []  # every job accounted for
+    metrics = generate_latest(ApiMetrics(redis_client, store.stats_key()).registry).decode()
+    assert "auk_jobs_resent_total 1.0" in metrics
 
     start_worker("w1")
     ids = [lost.id, late.id, deep.id, *[f.id for f in fillers]]

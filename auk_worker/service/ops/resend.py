@@ -37,6 +37,7 @@ from auk_worker.service.records.store import JobStore
 log = logging.getLogger(__name__)
 
 RESEND_EVERY_S = 30.0
+RESENT = "resent"  # the field of the jobs' stats hash that counts them (``auk_jobs_resent_total``)
 
 Send = Callable[[str, list, str], None]  # (task name, args, queue): Celery's send_task
 
@@ -83,6 +84,7 @@ class Resender:
             return False
         queue = queue_name(record.request.get("variant") or "base", RECOVERY)
         self.send(RENDER_TASK, [job_id], queue)
+        self.store.redis.hincrby(self.store.stats_key(), RESENT, 1)
         log.warning("job %s: queued since %s with no message anywhere; sent again to %s", job_id, record.created_at,
                     queue)  # fmt: skip
         return True
