@@ -9,19 +9,7 @@ call). Then the record is written, and only then is the task sent by name: ``auk
 (``auk_worker/service/queues/grouping.py``), staged per key and released to the variant's bulk queue round-robin across
 keys (``auk_worker/service/queues/fairshare.py``).
 
-Before any of that, ``require_worker_for`` asks the workers' heartbeats whether some live worker serves the job's
-variant, so that a job no worker would ever take is refused at once (503 ``no_worker_for_variant``, naming the
-variants that are served) rather than queued forever. ``AUK_VARIANT_CHECK`` says when:
-
-- ``live`` (default): refuse when at least one worker is live and none serves (or is loading) the variant. With no
-  live worker at all the job is queued: an operator may start the API before the workers, and the first worker to
-  come up takes the queue.
-- ``strict``: refuse also when no worker is live.
-- ``off``: never refuse (workers are started on demand, say by an autoscaler reading the queue length).
-
-A worker is live while its heartbeat key exists (it expires 10 s after the last write) and does not say
-``failed``; one still loading counts (its heartbeat names its variant from ``AUK_VARIANT``, or ``?``, which counts
-for any variant).
+Before any of that, some live worker must serve the job's variant (``api/variants.py``).
 """
 
 from __future__ import annotations
@@ -37,17 +25,18 @@ import redis
 from botocore.exceptions import BotoCoreError, ClientError
 
 from api.deps import Services
+from api.variants import require_worker_for
 from api.voicing import VoiceBook, compose
 from auk_worker.service.records.voices import Voice
 from auk_worker.voice_catalogue import NamedVoice
 from auk_worker import rules
 from auk_worker.audio import decode_audio
-from auk_worker.errors import InfraError, InputError, NoWorker
+from auk_worker.errors import InfraError, InputError
 from auk_worker.longform.plan import is_long, plan_request
 from auk_worker.service.queues.celery_app import RENDER_TASK, queue_name
 from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
-from auk_worker.service.records.workers import live_variants, read_heartbeats
 from auk_worker.service.records.jobs import JobRecord
+from auk_worker.service.records.transitions import IdempotencyKeyTaken
 from api.quotas import check_queued_jobs
 from auk_worker.service.records.requests import JobRequest
 from auk_worker.service.connect.redis import RedisFailedOver
@@ -58,6 +47,7 @@ from auk_worker.types import FRAME_RATE
 log = logging.getLogger(__name__)
 
 MAX_REPORTED_LINES = 100  # a 10 000-line file of bad lines answers with the first hundred
+MAX_IDEMPOTENCY_KEY = 255  # characters of an Idempotency-Key header (jobs and batches)
 # A job's send is tried again for this long while the broker refuses it: a Sentinel failover names a new master in a
 # few seconds past the sentinels' down-after time. Past it the request answers 503 and the caller retries.
 SEND_WINDOW_S = 15.0
@@ -172,40 +162,6 @@ def prepare(request: JobRequest, resolver: ClipResolver) -> dict[str, Any]:
     clip = resolver.resolve(request)
     voice = resolver.voices.find(request.voice) if request.voice is not None else None
     return record_request(compose(request, clip, voice, default_voice=resolver.voices.catalogue.default), clip)
-
-
-# ---------------------------------------------------------------------------------------------------- workers
-
-
-VARIANT_VIEW_S = 1.0  # a passed variant check holds this long per API process: reading every heartbeat per job
-# costs one command per worker (a hundred a job on a hundred workers); a refusal always reads them afresh
-_variant_view: dict[int, tuple[float, dict[str, list[str]], int]] = {}  # id(redis client) -> (monotonic, served, live)
-
-
-def _variant_missing(policy: str, variants: set[str], served: dict[str, list[str]], live: int) -> list[str]:
-    if "?" in served or (live == 0 and policy == "live"):
-        return []
-    return sorted(variants - set(served))
-
-
-def require_worker_for(svc: Services, variants: set[str]) -> None:
-    """Refuse (``NoWorker``) when ``AUK_VARIANT_CHECK`` says a job of one of ``variants`` would wait forever."""
-    policy = svc.settings.variant_check
-    if policy == "off":
-        return
-    cached = _variant_view.get(id(svc.redis))
-    if cached is not None and time.monotonic() - cached[0] < VARIANT_VIEW_S \
-            and not _variant_missing(policy, variants, cached[1], cached[2]):  # fmt: skip
-        return
-    served, live = live_variants(read_heartbeats(svc.redis))
-    _variant_view[id(svc.redis)] = (time.monotonic(), served, live)
-    missing = _variant_missing(policy, variants, served, live)
-    if not missing:
-        return
-    serving = ", ".join(f"{v} ({len(ids)} worker{'s' if len(ids) > 1 else ''})" for v, ids in sorted(served.items()))
-    message = (f"no live worker serves variant {', '.join(missing)}; live workers serve: {serving or 'nothing'}; "
-               "send the job with a served variant, or start a worker for it")  # fmt: skip
-    raise NoWorker(message, details={"variant": missing, "live_variants": sorted(served)})
 
 
 # ---------------------------------------------------------------------------------------------------- one job
@@ -334,10 +290,17 @@ def check_webhook_url(svc: Services, url: str | None) -> None:
 
 
 def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]], bad: list[dict],
-                 webhook_url: str | None = None) -> dict:
+                 webhook_url: str | None = None, idempotency: tuple[str, str] | None = None) -> tuple[dict, bool]:
     """Check every line (``(line number, request)``, plus the lines the caller already found ``bad``), then write
-    the batch and send its groups. Any bad line: InputError ``invalid_batch`` listing them, nothing written.
-    ``webhook_url`` is called with the batch's record once its manifest is stored."""
+    the batch and send its groups: ``({"id", "total"}, True)``. Any bad line: InputError ``invalid_batch`` listing
+    them, nothing written. ``webhook_url`` is called with the batch's record once its manifest is stored.
+
+    ``idempotency``: ``(Idempotency-Key, fingerprint of the request)``. A key that made a batch for the same
+    request answers that batch, ``(..., False)``, and writes nothing; for another request it is refused."""
+    if idempotency is not None:
+        earlier = _earlier_batch(svc, owner, *idempotency)
+        if earlier is not None:
+            return earlier, False
     check_webhook_url(svc, webhook_url)
     require_worker_for(svc, {request.variant for _, request in lines})
     resolver = ClipResolver(svc, owner)
@@ -359,7 +322,13 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
         JobRecord.new(owner, prepared, queue=queue_name(request.variant, "bulk"), custom_id=request.custom_id)
         for request, prepared in good
     ]
-    batch_id = svc.store.create_batch(owner, records)
+    try:
+        batch_id = svc.store.create_batch(owner, records, idempotency)
+    except IdempotencyKeyTaken:  # an identical request a moment ahead of this one
+        earlier = _earlier_batch(svc, owner, *idempotency)
+        if earlier is None:
+            raise InfraError("the batch's Idempotency-Key was taken and its batch is gone; try again") from None
+        return earlier, False
     svc.batches.register(batch_id, owner, webhook_url)
     max_jobs, defaults = group_limits(svc.settings.deploy_config)
     short = [record for record in records if not is_long(record.request.get("plan"))]
@@ -368,7 +337,27 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
     stage_groups(svc, owner, groups)
     svc.barrier.wait(f"batch {batch_id}")
     log.info("batch %s: %d jobs staged as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)
-    return {"id": batch_id, "total": len(records)}
+    return {"id": batch_id, "total": len(records)}, True
+
+
+def batch_fingerprint(body: bytes, webhook_url: str | None) -> str:
+    """What a retried ``POST /v1/batches`` must repeat to get the batch its key made: the body's bytes and the
+    webhook."""
+    digest = hashlib.sha256(body)
+    digest.update(b"\0" + (webhook_url or "").encode())
+    return digest.hexdigest()
+
+
+def _earlier_batch(svc: Services, owner: str, key: str, fingerprint: str) -> dict | None:
+    found = svc.store.batch_by_idempotency_key(owner, key)
+    if found is None:
+        return None
+    batch_id, made_for = found
+    if made_for != fingerprint:
+        raise InputError(f"Idempotency-Key {key!r} was used for batch {batch_id} with a different request; use a "
+                         "new key for a new batch", code="idempotency_key_reused")  # fmt: skip
+    batch = svc.store.get_batch(batch_id)
+    return {"id": batch_id, "total": batch["total"] if batch else 0}
 
 
 def group_task(group: list[JobRecord]) -> tuple[str, list]:

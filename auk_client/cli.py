@@ -112,7 +112,7 @@ def _submit_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--format", choices=tuple(FORMATS), dest="response_format", help="output format (default wav)")
     p.add_argument("--custom-id")
     p.add_argument("--priority", choices=("interactive", "bulk"))
-    p.add_argument("--idempotency-key", help="a repeated key returns the job it made instead of a new one")
+    p.add_argument("--idempotency-key", help="a repeated key returns the job (or batch) it made instead of a new one")
     args = p.parse_args(argv)
     if args.batch is None and not args.instruction:
         p.error("give --instruction for one job, or --batch FILE.jsonl")
@@ -132,8 +132,10 @@ def _submit(api: Api, argv: Sequence[str]) -> int:
             data = args.batch.read_bytes()
         except OSError as exc:
             raise ClientError(f"cannot read {args.batch}: {exc.strerror}") from None
-        batch = api.call(api.client.request, "POST", "/v1/batches", content=data,
-                         headers={"Content-Type": "application/x-ndjson"})  # fmt: skip
+        headers = {"Content-Type": "application/x-ndjson"}
+        if args.idempotency_key:
+            headers["Idempotency-Key"] = args.idempotency_key
+        batch = api.call(api.client.request, "POST", "/v1/batches", content=data, headers=headers)
         _print_json(batch)
         print(f"batch {batch['id']}: {batch['total']} jobs queued; follow it with `auk wait {batch['id']}`",
               file=sys.stderr)

@@ -180,15 +180,21 @@ class Client:
 
     # ---------------------------------------------------------------------------------------------- batches
 
-    def create_batch(self, lines: Iterable[dict[str, Any]] | str | Path | bytes) -> Batch:
-        """Enqueue a batch: job request dicts (each with a ``custom_id``), or a JSONL file's path or bytes."""
+    def create_batch(self, lines: Iterable[dict[str, Any]] | str | Path | bytes,
+                     idempotency_key: str | None = None) -> Batch:  # fmt: skip
+        """Enqueue a batch: job request dicts (each with a ``custom_id``), or a JSONL file's path or bytes. A
+        repeated ``idempotency_key`` with the same lines returns the batch it made (post again after a 503 or a
+        dropped connection without enqueuing twice)."""
         if isinstance(lines, (str, Path)):
             data = Path(lines).read_bytes()
         elif isinstance(lines, bytes):
             data = lines
         else:
             data = "\n".join(json.dumps(line) for line in lines).encode()
-        body = self.request("POST", "/v1/batches", content=data, headers={"Content-Type": "application/x-ndjson"})
+        headers = {"Content-Type": "application/x-ndjson"}
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        body = self.request("POST", "/v1/batches", content=data, headers=headers)
         return self.get_batch(body["id"]) if "counts" not in body else Batch.from_json(body)
 
     def get_batch(self, batch_id: str) -> Batch:

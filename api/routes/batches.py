@@ -22,7 +22,8 @@ import json
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -33,7 +34,7 @@ from api.deps import Services, services
 from api.errors import describe_validation_errors, json_failure, summarize, too_large
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
 from api.responses import BatchCanceled, BatchCreated, BatchLink, BatchOut, BatchPage
-from api.submit import submit_batch
+from api.submit import MAX_IDEMPOTENCY_KEY, batch_fingerprint, submit_batch
 from auk_worker.errors import Conflict, InputError, MalformedBody, NotFound, UnsupportedMediaType
 from auk_worker.service.records.batches import public_batch, write_results
 from auk_worker.service.records.requests import JobRequest
@@ -198,10 +199,15 @@ def parse_lines(text: str) -> tuple[list[tuple[int, JobRequest]], list[dict]]:
 @router.post("/batches", status_code=202, summary="Enqueue a JSONL batch", openapi_extra=_BATCH_BODY_DOC,
              **documented(BatchCreated, *BODY_ERRORS, status=202, description="The batch, queued.",
                           follow=links(GetBatch=("get_batch", "batch_id"), CancelBatch=("cancel_batch", "batch_id"),
-                                       BatchLink=("batch_link", "batch_id"))))
+                                       BatchLink=("batch_link", "batch_id")),
+                          more={200: {"model": BatchCreated,
+                                      "description": "The batch an earlier request with this Idempotency-Key made."}}))
 async def create_batch(request: Request, owner: str = Depends(caller), svc: Services = Depends(services),
-                       webhook_url: str | None = Query(None, min_length=1, max_length=2048)) -> dict:
+                       webhook_url: str | None = Query(None, min_length=1, max_length=2048),
+                       idempotency_key: Annotated[str | None, Header(max_length=MAX_IDEMPOTENCY_KEY)] = None,
+                       ) -> JSONResponse:  # fmt: skip
     data = await _read_body(request)
+    idempotency = (idempotency_key, batch_fingerprint(data, webhook_url)) if idempotency_key else None
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is not a line's
     except UnicodeDecodeError as exc:
@@ -213,12 +219,14 @@ async def create_batch(request: Request, owner: str = Depends(caller), svc: Serv
         message = f"the batch has {lines} job lines; at most {MAX_BATCH_LINES} are accepted"
         raise InputError(message, code="too_many_lines")
     # Parsing and submitting (Redis, storage, perhaps decoding clips) run off the event loop.
-    return await run_in_threadpool(_parse_and_submit, svc, owner, text, webhook_url)
+    body, created = await run_in_threadpool(_parse_and_submit, svc, owner, text, webhook_url, idempotency)
+    return JSONResponse(body, status_code=202 if created else 200)
 
 
-def _parse_and_submit(svc: Services, owner: str, text: str, webhook_url: str | None) -> dict:
+def _parse_and_submit(svc: Services, owner: str, text: str, webhook_url: str | None,
+                      idempotency: tuple[str, str] | None) -> tuple[dict, bool]:  # fmt: skip
     good, bad = parse_lines(text)
-    return submit_batch(svc, owner, good, bad, webhook_url)
+    return submit_batch(svc, owner, good, bad, webhook_url, idempotency)
 
 
 @router.get("/batches/{batch_id}", summary="Read a batch: counts by status; once done, its manifest and error file",

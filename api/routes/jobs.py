@@ -17,7 +17,7 @@ from api.deps import Services, services
 from api.errors import require_cancelable
 from api.responses import JobOut, JobPage
 from api.openapi import BODY_ERRORS, V1_ERRORS, documented, links
-from api.submit import submit_job
+from api.submit import MAX_IDEMPOTENCY_KEY, submit_job
 from auk_worker.errors import Conflict, InputError, NotFound
 from auk_worker.service.records.jobs import JobRecord, JobStatus
 from auk_worker.service.records.requests import JobRequest
@@ -25,8 +25,6 @@ from auk_worker.service.records.requests import JobRequest
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses=V1_ERRORS)
-
-MAX_IDEMPOTENCY_KEY = 255
 
 
 def public(svc: Services, record: JobRecord) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 import redis
 import soundfile as sf
 
+from auk_client import Client
 from auk_worker.service.records.jobs import owner_id
 from tests.service.conftest import BUCKET
 from tests.service.harness import (
@@ -317,6 +319,57 @@ def test_batch_of_twenty_goes_to_done_with_a_manifest(service: Service) -> None:
         samples, rate = sf.read(io.BytesIO(body), dtype="float32")
         i = int(entry["custom_id"].split("-")[1])
         assert rate == SR and len(samples) == expected_samples(0.1 + 0.01 * i)
+
+
+def test_a_batch_posted_again_under_its_idempotency_key_is_the_same_batch(service: Service) -> None:
+    lines = "".join(json.dumps({"custom_id": f"n-{i}", "instruction": f"Night line {i}.", "gen_seconds": 0.2,
+                                "num_inference_steps": 2}) + "\n" for i in range(3))  # fmt: skip
+    jsonl = {"Content-Type": "application/x-ndjson"}
+    owner_batches = f"auk:owner:{owner_id(KEY_A)}:batches"
+    before = service.redis.zcard(owner_batches)
+    with service.client() as http:
+        first = http.post("/v1/batches", content=lines, headers={**jsonl, "Idempotency-Key": "night-7"})
+        assert first.status_code == 202, first.text
+        batch_id = first.json()["id"]
+        # Sent again as it was (after a 503 or a dropped connection): the same batch, nothing enqueued twice;
+        # two identical posts at once make one batch too.
+        with ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda _: http.post("/v1/batches", content=lines,
+                                                      headers={**jsonl, "Idempotency-Key": "night-7"}), range(4)))
+        assert [r.status_code for r in again] == [200] * 4
+        assert {r.json()["id"] for r in again} == {batch_id} and again[0].json()["total"] == 3
+        racing = list(ThreadPoolExecutor(4).map(
+            lambda _: http.post("/v1/batches", content=lines, headers={**jsonl, "Idempotency-Key": "night-8"}),
+            range(4)))  # fmt: skip
+        assert sorted(r.status_code for r in racing) == [200, 200, 200, 202], [r.text for r in racing]
+        assert len({r.json()["id"] for r in racing}) == 1
+        # The same key with other lines, or another webhook, is refused by name.
+        changed = http.post("/v1/batches", content=lines.replace("Night line 0", "Day line 0"),
+                            headers={**jsonl, "Idempotency-Key": "night-7"})  # fmt: skip
+        assert changed.status_code == 422 and error_of(changed)["code"] == "idempotency_key_reused"
+        assert batch_id in error_of(changed)["message"]
+        hooked = http.post("/v1/batches", content=lines, params={"webhook_url": "https://example.com/hook"},
+                           headers={**jsonl, "Idempotency-Key": "night-7"})  # fmt: skip
+        assert hooked.status_code == 422 and error_of(hooked)["code"] == "idempotency_key_reused"
+    assert service.redis.zcard(owner_batches) == before + 2
+    # Another API key's same idempotency key is its own batch; the client library sends the header.
+    with Client(service.url, KEY_B) as other:
+        theirs = other.create_batch(lines.encode(), idempotency_key="night-7")
+        assert theirs.id != batch_id
+        assert other.create_batch(lines.encode(), idempotency_key="night-7").id == theirs.id
+    with service.client() as http:
+        done = _wait_batch(http, batch_id)
+    assert done["counts"]["succeeded"] == 3 and done["total"] == 3
+
+
+def _wait_batch(http: httpx.Client, batch_id: str, timeout: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = http.get(f"/v1/batches/{batch_id}").json()
+        if batch["status"] == "done":
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} not done within {timeout} s: {batch}")
 
 
 def test_idempotency_key_makes_one_job_and_other_keys_see_nothing(service: Service) -> None:

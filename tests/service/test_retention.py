@@ -45,13 +45,13 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
     running = _job(store)
     assert store.start(running.id, "w:1") is not None
     batch_jobs = [JobRecord.new(OWNER, {"instruction": f"line {i}"}, custom_id=f"c{i}") for i in range(2)]
-    batch_id = store.create_batch(OWNER, batch_jobs)
+    batch_id = store.create_batch(OWNER, batch_jobs, ("night-1", "fingerprint-1"))
     for record in batch_jobs:
         _finish(store, record)
     book = BatchBook(store)
     book.register(batch_id, OWNER)
     live_job = JobRecord.new(OWNER, {"instruction": "still to come"}, custom_id="c0")
-    live_batch = store.create_batch(OWNER, [live_job])
+    live_batch = store.create_batch(OWNER, [live_job], ("night-2", "fingerprint-2"))
     book.register(live_batch, OWNER)
     # A record finished by a store without retention (before it was configured): the sweeper gives it a TTL.
     legacy = _job(JobStore(redis_client))
@@ -61,8 +61,9 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
     assert 0 < ttl(store.job_key(done.id)) <= 2 and 0 < ttl(store.idem_key(OWNER, "idem-done")) <= 2
     assert 0 < ttl(store.job_key(failed.id)) <= 2 and 0 < ttl(store.job_key(canceled.id)) <= 2
     assert 0 < ttl(store.batch_key(batch_id)) <= 2 and 0 < ttl(store.batch_jobs_key(batch_id)) <= 2
+    assert 0 < ttl(store.batch_idem_key(OWNER, "night-1")) <= 2  # a batch's key lasts as long as the batch
     for key in (store.job_key(queued.id), store.idem_key(OWNER, "idem-queued"), store.job_key(running.id),
-                store.job_key(legacy.id), store.owner_key(OWNER)):  # fmt: skip
+                store.job_key(legacy.id), store.owner_key(OWNER), store.batch_idem_key(OWNER, "night-2")):  # fmt: skip
         assert ttl(key) == -1, key
     stats = redis_client.hgetall(store.stats_key())
     assert stats == {"submitted": "9", "succeeded": "4", "failed": "1", "canceled": "1"}
@@ -75,6 +76,8 @@ def test_finished_records_expire_and_the_sweeper_trims_indexes(redis_client: red
     assert store.get(queued.id).status == JobStatus.QUEUED and store.get(running.id).status == JobStatus.RUNNING
     assert store.by_idempotency_key(OWNER, "idem-queued").id == queued.id
     assert store.get_batch(batch_id) is None and store.get_batch(live_batch) is not None
+    assert store.batch_by_idempotency_key(OWNER, "night-1") is None
+    assert store.batch_by_idempotency_key(OWNER, "night-2") == (live_batch, "fingerprint-2")
     # Listings skip expired ids before any sweep; the index still holds them until the sweeper runs.
     listed, _ = store.list(OWNER)
     assert {r.id for r in listed} == {queued.id, running.id, legacy.id, live_job.id}

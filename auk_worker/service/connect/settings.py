@@ -236,7 +236,7 @@ class Settings:
     stop_grace_s: float = 30.0
     store_behind: str = "auto"  # AUK_STORE_BEHIND: auto, on or off (worker/board.py)
     cache_dir: Path | None = None  # AUK_CACHE_DIR: torch's and Triton's compile caches, shared across starts
-    variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/submit.py: require_worker_for)
+    variant_check: str = "live"  # AUK_VARIANT_CHECK: live, strict or off (api/variants.py)
     # A job waits this long for storage (its clip, its upload) before it fails with ``storage_unavailable``; the
     # tries in between back off exponentially from AUK_STORAGE_RETRY_BACKOFF to AUK_STORAGE_RETRY_BACKOFF_MAX.
     storage_retry_deadline_s: float = 1800.0  # AUK_STORAGE_RETRY_DEADLINE

@@ -235,6 +235,9 @@ class JobReader:
     def idem_key(self, owner: str, key: str) -> str:
         return f"{self.ns}:idem:{owner}:{key}"
 
+    def batch_idem_key(self, owner: str, key: str) -> str:
+        return f"{self.ns}:idem-batch:{owner}:{key}"
+
     def batch_key(self, batch_id: str) -> str:
         return f"{self.ns}:batch:{batch_id}"
 
@@ -263,6 +266,15 @@ class JobReader:
         """The job an earlier request of ``owner`` made under this idempotency key, if its record is still there."""
         job_id = self.redis.get(self.idem_key(owner, key))
         return self.get(job_id) if job_id else None
+
+    def batch_by_idempotency_key(self, owner: str, key: str) -> tuple[str, str] | None:
+        """``(batch id, fingerprint of its request)`` that an earlier batch of ``owner`` made under this idempotency
+        key, while the batch is still there."""
+        value = self.redis.get(self.batch_idem_key(owner, key))
+        if not value:
+            return None
+        batch_id, _, fingerprint = value.partition(" ")
+        return (batch_id, fingerprint) if self.redis.exists(self.batch_key(batch_id)) else None
 
     def is_canceled(self, job_id: str) -> bool:
         return self.redis.hget(self.job_key(job_id), "status") == JobStatus.CANCELED.value

@@ -145,7 +145,7 @@ return status
 
 # KEYS: job, stats ('' to count nothing). ARGV: namespace, terminal status, TTL in seconds (0: keep forever).
 # Counts the finished job and starts the clocks of its record, its idempotency key and (once its last job has
-# ended) its batch.
+# ended) its batch, with the batch's idempotency key.
 RETIRE = """
 if KEYS[2] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[2], 1) end
 local ttl = tonumber(ARGV[3])
@@ -160,6 +160,8 @@ if batch and batch ~= '' then
   if counts[1] and tonumber(counts[1]) >= tonumber(counts[2]) then
     redis.call('EXPIRE', bkey, ttl)
     redis.call('EXPIRE', bkey .. ':jobs', ttl)
+    local bidem = redis.call('HGET', bkey, 'idem')
+    if bidem and bidem ~= '' then redis.call('EXPIRE', bidem, ttl) end
   end
 end
 return 1

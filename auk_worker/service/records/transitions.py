@@ -30,6 +30,10 @@ from auk_worker.service.records.jobs import (
 )
 
 
+class IdempotencyKeyTaken(Exception):
+    """The batch's Idempotency-Key already names a batch (another request wrote it first)."""
+
+
 @dataclass(frozen=True)
 class Transition:
     """What a finishing transition did: the record after it (None if it was already terminal or missing),
@@ -141,30 +145,44 @@ class JobTransitions(JobReader):
         allowed = (JobStatus.QUEUED, JobStatus.RUNNING)
         return self._apply(job_id, JobStatus.CANCELED, allowed, False, fields).record
 
-    def create_batch(self, owner: str, records: builtins.list[JobRecord]) -> str:
-        """Write a batch and all its (queued) job records in one transaction; returns the batch id."""
+    def create_batch(self, owner: str, records: builtins.list[JobRecord],
+                     idempotency: tuple[str, str] | None = None) -> str:  # fmt: skip
+        """Write a batch and all its (queued) job records in one transaction; returns the batch id.
+
+        ``idempotency``: ``(Idempotency-Key, fingerprint of the request)``, written with the batch (and expiring
+        with it) so that a retry finds it (``batch_by_idempotency_key``). A key that names a batch already, also one
+        that another request wrote a moment ago, raises ``IdempotencyKeyTaken`` and writes nothing."""
         batch_id = new_id()
         now = utc_now()
         first = self.redis.zcard(self.owner_key(owner)) == 0
-        pipe = self.redis.pipeline(transaction=True)
-        if first:  # an owner's first jobs: nothing older to index
-            pipe.set(self.indexed_key(owner), "1")
-        for position, record in enumerate(records):
-            if record.owner != owner:
-                raise ValueError(f"job {record.id} belongs to another owner")
-            record.batch_id = batch_id
-            pipe.hset(self.job_key(record.id), mapping=record._to_hash())
-            pipe.zadd(self.owner_key(owner), {record.id: created_ms(record)})
-            pipe.zadd(self.status_key(owner, record.status), {record.id: created_ms(record)})
-            pipe.zadd(self.batch_jobs_key(batch_id), {record.id: position})  # submission order
-        counts = {f"n_{s.value}": 0 for s in JobStatus}
-        counts["n_queued"] = len(records)
-        pipe.hset(
-            self.batch_key(batch_id),
-            mapping={"id": batch_id, "owner": owner, "total": len(records), "terminal": 0, "created_at": now, **counts},
-        )
-        pipe.hincrby(self.stats_key(), "submitted", len(records))
-        pipe.execute()
+        idem = self.batch_idem_key(owner, idempotency[0]) if idempotency else ""
+        with self.redis.pipeline(transaction=True) as pipe:
+            if idem:
+                pipe.watch(idem)  # written by another request before EXEC: nothing of this one is
+                if pipe.exists(idem):
+                    raise IdempotencyKeyTaken(idempotency[0])
+                pipe.multi()
+            if first:  # an owner's first jobs: nothing older to index
+                pipe.set(self.indexed_key(owner), "1")
+            for position, record in enumerate(records):
+                if record.owner != owner:
+                    raise ValueError(f"job {record.id} belongs to another owner")
+                record.batch_id = batch_id
+                pipe.hset(self.job_key(record.id), mapping=record._to_hash())
+                pipe.zadd(self.owner_key(owner), {record.id: created_ms(record)})
+                pipe.zadd(self.status_key(owner, record.status), {record.id: created_ms(record)})
+                pipe.zadd(self.batch_jobs_key(batch_id), {record.id: position})  # submission order
+            counts = {f"n_{s.value}": 0 for s in JobStatus}
+            counts["n_queued"] = len(records)
+            pipe.hset(self.batch_key(batch_id), mapping={"id": batch_id, "owner": owner, "total": len(records),
+                                                         "terminal": 0, "created_at": now, "idem": idem, **counts})
+            if idem:
+                pipe.set(idem, f"{batch_id} {idempotency[1]}")
+            pipe.hincrby(self.stats_key(), "submitted", len(records))
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                raise IdempotencyKeyTaken(idempotency[0]) from None
         return batch_id
 
     def retire(self, job_id: str, status: JobStatus, ttl: int | None = None, count: bool = True) -> None:
