@@ -581,8 +581,10 @@ def test_client_cli_submit_wait_fetch(service: Service, tmp_path: Path, monkeypa
     batch_file = tmp_path / "jobs.jsonl"
     batch_file.write_text("\n".join(json.dumps({"instruction": f"b{i}", "gen_seconds": 0.2, "custom_id": f"cli/{i}",
                                                 "num_inference_steps": 1}) for i in range(3)))  # fmt: skip
-    assert main_client("submit", ["--batch", str(batch_file)]) == 0
+    assert main_client("submit", ["--batch", str(batch_file), "--idempotency-key", "cli-night"]) == 0
     batch = json.loads(capsys.readouterr().out)
+    assert main_client("submit", ["--batch", str(batch_file), "--idempotency-key", "cli-night"]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == batch["id"]  # run again: the same batch
     assert main_client("wait", [batch["id"], "--interval", "0.1", "--timeout", "90", "--quiet"]) == 0
     assert main_client("fetch", [batch["id"], "-o", str(tmp_path / "batch")]) == 0
     assert sorted(p.name for p in (tmp_path / "batch").iterdir()) == sorted(
