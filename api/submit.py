@@ -18,7 +18,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import kombu.exceptions
 import redis
@@ -249,17 +249,23 @@ def send_render(svc: Services, record: JobRecord) -> None:
             break
         except SEND_ERRORS as exc:
             if time.monotonic() + delay > deadline:
-                message = f"the job could not be enqueued: {exc}"
-                try:
-                    svc.store.fail(record.id, InfraError.code, message)
-                except redis.RedisError as fail_exc:
-                    log.error("job %s: could not record its failure to enqueue: %s", record.id, fail_exc)
-                raise InfraError(message) from exc
+                _fail_unsent(svc, record.id, exc)
             log.warning("job %s: send %d refused (%s); trying again in %.1f s", record.id, tries, exc, delay)
             time.sleep(delay)
             delay = min(2 * delay, SEND_MAX_DELAY_S)
+        except Exception as exc:  # noqa: BLE001 - not the broker away: another try would fail the same way
+            _fail_unsent(svc, record.id, exc)
     if tries > 1:
         _require_record_after_retry(svc, record.id)
+
+
+def _fail_unsent(svc: Services, job_id: str, exc: Exception) -> NoReturn:
+    message = f"the job could not be enqueued: {exc}"
+    try:
+        svc.store.fail(job_id, InfraError.code, message)
+    except redis.RedisError as fail_exc:  # the record stays queued; the resender sends it (ops/resend.py)
+        log.error("job %s: could not record its failure to enqueue: %s", job_id, fail_exc)
+    raise InfraError(message) from exc
 
 
 def _require_record_after_retry(svc: Services, job_id: str) -> None:

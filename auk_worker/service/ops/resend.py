@@ -26,20 +26,19 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import redis
 
 from auk_worker.service.ops.audit import GRACE_S, oldest_queued, without_message
 from auk_worker.service.queues.celery_app import RECOVERY, RENDER_TASK, queue_name
+from auk_worker.service.queues.fairshare import Send
 from auk_worker.service.records.store import JobStore
 
 log = logging.getLogger(__name__)
 
 RESEND_EVERY_S = 30.0
 RESENT = "resent"  # the field of the jobs' stats hash that counts them (``auk_jobs_resent_total``)
-
-Send = Callable[[str, list, str], None]  # (task name, args, queue): Celery's send_task
 
 
 class Resender:

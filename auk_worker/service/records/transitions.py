@@ -159,7 +159,8 @@ class JobTransitions(JobReader):
         with self.redis.pipeline(transaction=True) as pipe:
             if idem:
                 pipe.watch(idem)  # written by another request before EXEC: nothing of this one is
-                if pipe.exists(idem):
+                earlier = pipe.get(idem)
+                if earlier and pipe.exists(self.batch_key(earlier.partition(" ")[0])):  # else a key outlived its batch
                     raise IdempotencyKeyTaken(idempotency[0])
                 pipe.multi()
             if first:  # an owner's first jobs: nothing older to index
