@@ -34,7 +34,7 @@ from auk_worker.audio import decode_audio
 from auk_worker.errors import InfraError, InputError
 from auk_worker.longform.plan import is_long, plan_request
 from auk_worker.service.queues.celery_app import RENDER_TASK, queue_name
-from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, group_limits, plan_groups
+from auk_worker.service.queues.grouping import RENDER_GROUP_TASK, group_limits, in_line_order, plan_groups
 from auk_worker.service.records.jobs import JobRecord
 from auk_worker.service.records.transitions import IdempotencyKeyTaken
 from api.quotas import check_queued_jobs
@@ -340,6 +340,7 @@ def submit_batch(svc: Services, owner: str, lines: list[tuple[int, JobRequest]],
     short = [record for record in records if not is_long(record.request.get("plan"))]
     groups = plan_groups(short, max_jobs, defaults) if max_jobs > 1 else [[record] for record in short]
     groups += [[record] for record in records if is_long(record.request.get("plan"))]  # a long job: its own task
+    groups = in_line_order(groups, records)
     stage_groups(svc, owner, groups)
     svc.barrier.wait(f"batch {batch_id}")
     log.info("batch %s: %d jobs staged as %d task(s) for owner %s", batch_id, len(records), len(groups), owner)

@@ -83,3 +83,11 @@ def plan_groups(records: Sequence[JobRecord], max_jobs: int, defaults: DiTSampli
             current_key = key
         groups[-1].append(record)
     return groups
+
+
+def in_line_order(groups: list[list[JobRecord]], records: Sequence[JobRecord]) -> list[list[JobRecord]]:
+    """``groups`` ordered by their earliest member's place in ``records`` (the batch's lines). Staged in this order, a
+    batch is released, and so rendered, from its first lines towards its last, and its oldest queued jobs are in the
+    first staged tasks, where the queue audit looks for them (``ops/audit.py``)."""
+    place = {record.id: i for i, record in enumerate(records)}
+    return sorted(groups, key=lambda group: min(place[record.id] for record in group))
