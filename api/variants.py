@@ -1,7 +1,8 @@
 """Whether some live worker serves a job's variant, asked before anything is written.
 
-``require_worker_for`` asks the workers' heartbeats whether some live worker serves the job's variant, so that a job no worker would ever take is refused at once (503 ``no_worker_for_variant``, naming the
-variants that are served) rather than queued forever. ``AUK_VARIANT_CHECK`` says when:
+``require_worker_for`` asks the workers' heartbeats whether some live worker serves the job's variant, so that a
+job no worker would ever take is refused at once (503 ``no_worker_for_variant``, naming the variants that are
+served) rather than queued forever. ``AUK_VARIANT_CHECK`` says when:
 
 - ``live`` (default): refuse when at least one worker is live and none serves (or is loading) the variant. With no
   live worker at all the job is queued: an operator may start the API before the workers, and the first worker to

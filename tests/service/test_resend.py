@@ -13,7 +13,7 @@ import time
 from prometheus_client import generate_latest
 
 from api.metrics import ApiMetrics
-from auk_worker.service.ops import audit, resend
+from auk_worker.service.ops import audit
 from auk_worker.service.ops.resend import Resender
 from auk_worker.service.queues.celery_app import RECOVERY, RENDER_TASK, make_celery, queue_name
 from auk_worker.service.queues.fairshare import FairShare
@@ -24,7 +24,7 @@ from tests.service.test_worker import OWNER, make_record
 def test_a_job_with_no_message_is_sent_again_by_the_second_pass_and_renders_once(
     redis_client, store, settings, start_worker, monkeypatch
 ) -> None:
-    monkeypatch.setattr(resend, "GRACE_S", 0.0)
+    monkeypatch.setattr(audit, "GRACE_S", 0.0)
     monkeypatch.setattr(audit, "DEPTH", 2)
     app = make_celery(settings)
     sent: list[tuple[str, list, str]] = []

@@ -4,8 +4,8 @@ and its ``/readyz`` (``queue``).
 
 A job whose message is gone stays ``queued`` (the window the atomic fetch closed, ``fetch.py``; a failover that kept
 the record but not the message, with asynchronous replication; a bug yet unknown) until ``resend.py`` sends it
-again from what this audit finds, and so it becomes one of the oldest queued jobs. The audit therefore looks only at the oldest ones, at a cost that does not grow with the
-backlog:
+again from what this audit finds, and so it becomes one of the oldest queued jobs. The audit therefore looks only
+at the oldest ones, at a cost that does not grow with the backlog:
 
 1. the ``OLDEST`` oldest queued jobs across the owners (``ZRANGE`` of each owner's ``status:queued`` index, scored
    by creation time);
@@ -56,14 +56,20 @@ def audit_queue(client: redis.Redis, owners: Iterable[str], namespace: str = "au
                 now: float | None = None) -> QueueAudit:  # fmt: skip
     """One audit (see the module's docstring); ``owners``: the owner ids whose queued jobs are looked at."""
     now = time.time() if now is None else now
-    owners = sorted(set(owners))
-    queued = oldest_queued(client, owners, namespace)
+    queued, missing = overdue_without_message(client, sorted(set(owners)), namespace, now)
     if not queued:
         return QueueAudit(0, None, 0)
     oldest_age = max(0.0, now - queued[0][0])
-    candidates = [job for created, job in queued if now - created > GRACE_S]
-    missing = without_message(client, owners, candidates, namespace)
     return QueueAudit(len(missing), round(oldest_age, 1), len(queued))
+
+
+def overdue_without_message(client: redis.Redis, owners: list[str], namespace: str,
+                            now: float) -> tuple[list[tuple[float, str]], list[str]]:  # fmt: skip
+    """Steps 1-3: the oldest queued jobs (``oldest_queued``), and those of them queued for over ``GRACE_S`` that
+    none of the oldest messages names (``without_message``)."""
+    queued = oldest_queued(client, owners, namespace)
+    overdue = [job for created, job in queued if now - created > GRACE_S]
+    return queued, without_message(client, owners, overdue, namespace)
 
 
 def oldest_queued(client: redis.Redis, owners: list[str], namespace: str = "auk") -> list[tuple[float, str]]:

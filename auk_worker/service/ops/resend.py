@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import redis
 
-from auk_worker.service.ops.audit import GRACE_S, oldest_queued, without_message
+from auk_worker.service.ops.audit import overdue_without_message, without_message
 from auk_worker.service.queues.celery_app import RECOVERY, RENDER_TASK, queue_name
 from auk_worker.service.queues.fairshare import Send
 from auk_worker.service.records.store import JobStore
@@ -61,10 +61,8 @@ class Resender:
     def pass_once(self, now: float | None = None) -> list[str]:
         """Steps 1-3 of the module's docstring, without the lock."""
         client, ns = self.store.redis, self.store.ns
-        queued = oldest_queued(client, self.owners, ns)
         now = time.time() if now is None else now
-        candidates = [job for created, job in queued if now - created > GRACE_S]
-        missing = without_message(client, self.owners, candidates, ns)
+        _, missing = overdue_without_message(client, self.owners, ns, now)
         if missing:  # not among the oldest messages: look deeper before calling it lost
             missing = without_message(client, self.owners, missing, ns, deep=True)
         suspected = set(client.smembers(self.suspects_key))
